@@ -237,13 +237,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             trees, stats = rt.rollout(tasks, progress=lambda msg: status.update(msg))
     finally:
         rt.close()
-    out = run_dir / "trees"
-    out.mkdir(parents=True, exist_ok=True)
-    from agentree.trainer import _safe
+    from agentree.tree import save_trees
 
+    save_trees(trees, run_dir / "trees")
     wins = n = 0
-    for i, tree in enumerate(trees):
-        tree.save(out / f"{i:03d}_{_safe(tree.task_id)}.json")
+    for tree in trees:
         for t in rt.controller.group(tree):
             wins += rt.success(tree, t)
             n += 1

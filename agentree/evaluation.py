@@ -19,7 +19,7 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
-from agentree.tree import EndReason, Tree
+from agentree.tree import EndReason, Tree, save_trees
 
 
 def run_eval(
@@ -42,7 +42,6 @@ def run_eval(
     if scripted is not None:
         log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
         trees = run_scripted(cls, env_kwargs, scripted, task_list, cfg.engine.env_workers)
-        success = _leaf_success
     else:
         from agentree.runtime import Runtime, evaluate
 
@@ -52,8 +51,7 @@ def run_eval(
             trees = evaluate(rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples)["trees"]
         finally:
             rt.close()
-        success = _leaf_success
-    result = summarise(trees, success, cfg.policy.path, time.perf_counter() - t0)
+    result = summarise(trees, _leaf_success, cfg.policy.path, time.perf_counter() - t0)
     _write(out_dir, trees, result)
     return result
 
@@ -99,9 +97,7 @@ def run_scripted(
                 if term or trunc:
                     n.end_reason = EndReason.COMPLETED if term else EndReason.MAX_TURNS
                     break
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # the task fails; the evaluation goes on
+        except Exception as e:  # the task fails; the evaluation goes on (Ctrl-C propagates)
             if not tree.nodes:
                 tree.add_root("", [], {})
             leaf = tree.nodes[-1] if len(tree.nodes) > 1 else tree.add_child(0)
@@ -178,11 +174,7 @@ def summarise(
 
 
 def _write(out_dir: Path, trees: Sequence[Tree], result: dict[str, Any]) -> None:
-    from agentree.trainer import _safe
-
-    (out_dir / "trees").mkdir(exist_ok=True)
-    for i, tree in enumerate(trees):
-        tree.save(out_dir / "trees" / f"{i:03d}_{_safe(tree.task_id)}.json")
+    save_trees(trees, out_dir / "trees")
     body = {"summary": result["summary"], "per_task": result["per_task"]}
     (out_dir / "eval.json").write_text(json.dumps(body, indent=1))
     if result["predictions"]:

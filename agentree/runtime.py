@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from agentree.chat import ChatFormat
@@ -181,9 +180,3 @@ def evaluate(
         "wall_s": time.perf_counter() - t0,
     }
     return {"summary": summary, "per_task": per_task, "trees": trees, "stats": stats}
-
-
-def ensure_dir(path: str | Path) -> Path:
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
-    return p

@@ -26,7 +26,7 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from agentree.envs.base import Task
 from agentree.loss import loss_normalizer, policy_loss
 from agentree.rollout.base import RolloutStats
 from agentree.runtime import Runtime, evaluate
-from agentree.tree import Trajectory, Tree
+from agentree.tree import Trajectory, Tree, save_trees
 
 
 @dataclass
@@ -309,10 +309,7 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def save_trees(self, trees: list[Tree]) -> None:
-        out = self.dir / "trees"
-        out.mkdir(exist_ok=True)
-        for i, tree in enumerate(trees):
-            tree.save(out / f"step{self.step + 1:06d}_{i:02d}_{_safe(tree.task_id)}.json")
+        save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")
 
     def save(self) -> Path:
         ckpt_root = self.dir / "checkpoints"
@@ -376,12 +373,3 @@ def lr_at(tc: Any, step: int) -> float:
     progress = min(1.0, (step - tc.warmup_steps) / span)
     floor = tc.lr * tc.lr_min_ratio
     return floor + (tc.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
-
-
-def chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(xs), n):
-        yield xs[i : i + n]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -264,6 +265,15 @@ class Tree:
     @classmethod
     def load(cls, path: str | Path) -> Tree:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def save_trees(trees: Sequence[Tree], directory: str | Path, prefix: str = "") -> None:
+    """Write each tree to DIRECTORY/{prefix}{index:03d}_{task id}.json (the directory is made)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, tree in enumerate(trees):
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in tree.task_id)[:80]
+        tree.save(out / f"{prefix}{i:03d}_{name}.json")
 
 
 def _json_safe(x: Any) -> Any:

@@ -96,14 +96,6 @@ def client() -> Any:
         return c
 
 
-def docker_available() -> bool:
-    try:
-        client()
-    except DockerUnavailable:
-        return False
-    return True
-
-
 def on_exit(callback: Any) -> None:
     """Run `callback()` before this session's resources are swept at exit."""
     with _lock:
