@@ -16,6 +16,10 @@ Differences from the papers, on purpose:
   trajectories are the exact sampled ids (no re-tokenisation).
 - DAPO dynamic sampling (optional) drops groups whose rewards are all equal and refills the
   batch with fresh tasks, for at most `max_refill_rounds` extra rollouts per step.
+
+This file is the loop (roll out, update, sync weights, evaluate, save). The pieces it calls:
+`agentree.update` (advantages, micro-batches, loss, optimiser steps), `agentree.batching`
+(trajectories to tensors) and `agentree.checkpoint` (run-directory checkpoints).
 """
 
 from __future__ import annotations
@@ -24,61 +28,23 @@ import copy
 import json
 import math
 import random
-import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentree.advantages import compute_advantages
+from agentree.batching import Batch, make_batch, token_logprobs
+from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Task
-from agentree.loss import loss_normalizer, policy_loss
 from agentree.rollout.base import RolloutStats
 from agentree.runtime import Runtime, evaluate
 from agentree.tree import Trajectory, Tree, save_trees
+from agentree.update import PolicyUpdate
 
-
-@dataclass
-class Batch:
-    """Right-padded training tensors for a list of trajectories."""
-
-    ids: torch.Tensor
-    attn: torch.Tensor
-    mask: torch.Tensor
-    adv: torch.Tensor
-    sampled_lp: torch.Tensor
-
-
-def make_batch(trajs: Sequence[Trajectory], advs: Sequence[Sequence[float]], pad: int) -> Batch:
-    n, length = len(trajs), max(len(t.token_ids) for t in trajs)
-    ids = torch.full((n, length), pad, dtype=torch.long)
-    attn = torch.zeros(n, length, dtype=torch.long)
-    mask = torch.zeros(n, length)
-    adv = torch.zeros(n, length)
-    lp = torch.zeros(n, length)
-    for i, (t, a) in enumerate(zip(trajs, advs, strict=True)):
-        k = len(t.token_ids)
-        ids[i, :k] = torch.tensor(t.token_ids)
-        attn[i, :k] = 1
-        mask[i, :k] = torch.tensor(t.loss_mask, dtype=torch.float)
-        adv[i, :k] = torch.tensor(a, dtype=torch.float)
-        lp[i, :k] = torch.tensor(t.logprobs, dtype=torch.float)
-    # logits at position t predict token t+1: align targets by shifting left
-    return Batch(ids, attn, mask[:, 1:], adv[:, 1:], lp[:, 1:])
-
-
-def token_logprobs(model: Any, b: Batch, temperature: float) -> torch.Tensor:
-    """log pi(token_t | tokens_<t) for t >= 1, under the sampling temperature."""
-    dev = next(model.parameters()).device
-    logits = model(input_ids=b.ids.to(dev), attention_mask=b.attn.to(dev)).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, b.ids[:, 1:].to(dev).unsqueeze(-1)).squeeze(-1)
+__all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 
 
 class Trainer:
@@ -91,14 +57,20 @@ class Trainer:
         self.rt = Runtime(cfg, log=log)
         self.model = self.rt.model
         tc = cfg.train
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.999)
-        )
         self.ref = None
         if tc.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.step = 0
         self.rng = random.Random(cfg.seed)
+        self.updater = PolicyUpdate(
+            self.model,
+            tc,
+            ref=self.ref,
+            temperature=cfg.engine.temperature,
+            pad_id=self.rt.tokenizer.pad_token_id or 0,
+            rng=self.rng,
+        )
+        self.opt = self.updater.opt
         self.train_tasks = self.rt.load_tasks(cfg.tasks, split="train")
         self._order: list[int] = []
         self._cursor = 0
@@ -216,91 +188,8 @@ class Trainer:
 
     # -- update ------------------------------------------------------------------------------
     def update(self, trees: list[Tree], groups: list[list[Trajectory]]) -> dict[str, float]:
-        tc = self.cfg.train
-        kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
-        advs = compute_advantages(tc.advantage, trees, groups, **kw)
-        trajs = [t for g in groups for t in g]
-        adv_tokens = [a for g in advs for a in g]
-        order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))
-        temp = self.cfg.engine.temperature
-        pad = self.rt.tokenizer.pad_token_id or 0
-        micro = [
-            make_batch(
-                [trajs[i] for i in order[s : s + tc.micro_batch_size]],
-                [adv_tokens[i] for i in order[s : s + tc.micro_batch_size]],
-                pad,
-            )
-            for s in range(0, len(order), tc.micro_batch_size)
-        ]
-        # Fully on-policy (one pass, one optimiser step): pi_old equals the current weights, so
-        # its log-probs are the detached ones of the training forward and need no extra pass.
-        on_policy = tc.epochs == 1 and tc.minibatches == 1
-        old: list[torch.Tensor | None] = []
-        ref: list[torch.Tensor | None] = []
-        with torch.no_grad():
-            self.model.eval()
-            for b in micro:
-                old.append(None if on_policy else token_logprobs(self.model, b, temp).cpu())
-                r = None if self.ref is None else token_logprobs(self.ref, b, temp).cpu()
-                ref.append(r)
-        n_tok = sum(b.mask.sum() for b in micro)
-        drift = 0.0
-        sums: dict[str, float] = {}
-        self.model.train()
-        for epoch in range(tc.epochs):
-            first_pass = epoch == 0
-            idx = list(range(len(micro)))
-            self.rng.shuffle(idx)
-            per = math.ceil(len(idx) / tc.minibatches)
-            for s in range(0, len(idx), per):
-                chunk = idx[s : s + per]
-                norm = sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)
-                self.opt.zero_grad(set_to_none=True)
-                for i in chunk:
-                    b = micro[i]
-                    dev = next(self.model.parameters()).device
-                    lp = token_logprobs(self.model, b, temp)
-                    old_i = old[i]
-                    old_lp = lp.detach() if old_i is None else old_i.to(dev)
-                    if first_pass:
-                        err = (old_lp.cpu() - b.sampled_lp).abs() * b.mask
-                        drift += float(err.sum())
-                    loss, met = policy_loss(
-                        lp,
-                        old_lp,
-                        b.adv.to(dev),
-                        b.mask.to(dev),
-                        eps_low=tc.eps_low,
-                        eps_high=tc.eps_high,
-                        agg=tc.loss_agg,
-                        ref_logprobs=None if ref[i] is None else ref[i].to(dev),
-                        kl_coef=tc.kl_coef,
-                        normalizer=norm,
-                    )
-                    loss.backward()
-                    w = float(b.mask.sum())
-                    sums["train/loss"] = sums.get("train/loss", 0.0) + float(loss.detach())
-                    for k, v in met.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
-                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
-                sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gn)
-                self._set_lr()
-                self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        steps = tc.epochs * math.ceil(len(micro) / math.ceil(len(micro) / tc.minibatches))
-        scalar = ("train/loss", "train/grad_norm")
-        out = {k: v / float(n_tok) / tc.epochs for k, v in sums.items() if k not in scalar}
-        out["train/loss"] = sums.get("train/loss", 0.0) / steps
-        out["train/grad_norm"] = sums.get("train/grad_norm", 0.0) / steps
-        out["train/logprob_drift"] = float(drift / max(float(n_tok), 1.0))
-        out["train/policy_tokens"] = float(n_tok)
-        out["train/lr"] = self.opt.param_groups[0]["lr"]
-        return out
-
-    def _set_lr(self) -> None:
-        self.opt.param_groups[0]["lr"] = lr_at(self.cfg.train, self.step)
-        for g in self.opt.param_groups[1:]:
-            g["lr"] = self.opt.param_groups[0]["lr"]
+        self.updater.model = self.model
+        return self.updater(trees, groups, lr=lr_at(self.cfg.train, self.step))
 
     # -- run directory -----------------------------------------------------------------------
     def write_metrics(self, metrics: dict[str, float]) -> None:
@@ -312,46 +201,29 @@ class Trainer:
         save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")
 
     def save(self) -> Path:
-        ckpt_root = self.dir / "checkpoints"
-        ckpt = ckpt_root / f"step_{self.step:06d}"
-        tmp = ckpt_root / f".tmp_step_{self.step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp)
-        self.rt.tokenizer.save_pretrained(tmp)
-        torch.save(
-            {
-                "step": self.step,
-                "optimizer": self.opt.state_dict(),
-                "ref": None if self.ref is None else self.ref.state_dict(),
-                "rng": self.rng.getstate(),
-                "order": self._order,
-                "cursor": self._cursor,
-                "torch_rng": torch.get_rng_state(),
-            },
-            tmp / "trainer_state.pt",
+        state = {
+            "optimizer": self.opt.state_dict(),
+            "ref": None if self.ref is None else self.ref.state_dict(),
+            "rng": self.rng.getstate(),
+            "order": self._order,
+            "cursor": self._cursor,
+            "torch_rng": torch.get_rng_state(),
+        }
+        return save_checkpoint(
+            self.dir,
+            self.step,
+            self.model,
+            self.rt.tokenizer,
+            state,
+            keep=self.cfg.train.keep_checkpoints,
         )
-        shutil.rmtree(ckpt, ignore_errors=True)
-        tmp.rename(ckpt)
-        (ckpt_root / "latest").write_text(ckpt.name)
-        kept = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for old in kept[: -self.cfg.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return ckpt
 
     def resume(self) -> bool:
         """Load the latest checkpoint of the run directory, if any."""
-        latest = self.dir / "checkpoints" / "latest"
-        if not latest.exists():
+        ckpt = latest_checkpoint(self.dir)
+        if ckpt is None:
             return False
-        ckpt = self.dir / "checkpoints" / latest.read_text().strip()
-        from safetensors.torch import load_file
-
-        weights = load_file(str(ckpt / "model.safetensors"))
-        self.model.load_state_dict(weights, strict=False)
-        if self.model.config.tie_word_embeddings:
-            self.model.tie_weights()
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        state = load_checkpoint(ckpt, self.model)
         self.opt.load_state_dict(state["optimizer"])
         if self.ref is not None and state["ref"] is not None:
             self.ref.load_state_dict(state["ref"])

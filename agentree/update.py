@@ -1,0 +1,132 @@
+"""One policy update on a batch of rollout groups: advantages, micro-batches, clipped loss,
+gradient accumulation, optimiser steps.
+
+The objective is `agentree.loss.policy_loss` (see `agentree.trainer` for the formula). With
+`epochs == minibatches == 1` the update is fully on-policy: pi_old equals the current weights,
+so its log-probs are the detached ones of the training forward and need no extra pass.
+Otherwise pi_old is recomputed once before the first optimiser step, as verl does. The loss
+normaliser of each optimiser step is computed over all of its micro-batches, so gradient
+accumulation gives the gradient of the whole minibatch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentree.advantages import compute_advantages
+from agentree.batching import Batch, padded_micro_batches, token_logprobs
+from agentree.config import TrainConfig
+from agentree.loss import loss_normalizer, policy_loss
+from agentree.tree import Trajectory, Tree
+
+
+class PolicyUpdate:
+    """Holds the trainable model, the frozen reference (when KL is on) and the optimiser."""
+
+    def __init__(
+        self,
+        model: Any,
+        tc: TrainConfig,
+        *,
+        ref: Any = None,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.model = model
+        self.tc = tc
+        self.ref = ref
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.rng = rng or random.Random(0)
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.999)
+        )
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def batches(self, trees: list[Tree], groups: list[list[Trajectory]]) -> list[Batch]:
+        """Advantages per token, then micro-batches of trajectories."""
+        tc = self.tc
+        kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
+        advs = compute_advantages(tc.advantage, trees, groups, **kw)
+        trajs = [t for g in groups for t in g]
+        adv_tokens = [a for g in advs for a in g]
+        return padded_micro_batches(trajs, adv_tokens, self.pad_id, tc.micro_batch_size)
+
+    def __call__(
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        lr: float | Callable[[], float],
+    ) -> dict[str, float]:
+        tc = self.tc
+        temp = self.temperature
+        micro = self.batches(trees, groups)
+        on_policy = tc.epochs == 1 and tc.minibatches == 1
+        old: list[torch.Tensor | None] = []
+        ref: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            self.model.eval()
+            for b in micro:
+                old.append(None if on_policy else token_logprobs(self.model, b, temp).cpu())
+                ref.append(None if self.ref is None else token_logprobs(self.ref, b, temp).cpu())
+        n_tok = sum(b.mask.sum() for b in micro)
+        drift = 0.0
+        sums: dict[str, float] = {}
+        self.model.train()
+        dev = next(self.model.parameters()).device
+        for epoch in range(tc.epochs):
+            idx = list(range(len(micro)))
+            self.rng.shuffle(idx)
+            per = math.ceil(len(idx) / tc.minibatches)
+            for s in range(0, len(idx), per):
+                chunk = idx[s : s + per]
+                norm = sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)
+                self.opt.zero_grad(set_to_none=True)
+                for i in chunk:
+                    b = micro[i]
+                    lp = token_logprobs(self.model, b, temp)
+                    old_i = old[i]
+                    old_lp = lp.detach() if old_i is None else old_i.to(dev)
+                    if epoch == 0:
+                        drift += float(((old_lp.cpu() - b.sampled_lp).abs() * b.mask).sum())
+                    ref_i = ref[i]
+                    loss, met = policy_loss(
+                        lp,
+                        old_lp,
+                        b.adv.to(dev),
+                        b.mask.to(dev),
+                        eps_low=tc.eps_low,
+                        eps_high=tc.eps_high,
+                        agg=tc.loss_agg,
+                        ref_logprobs=None if ref_i is None else ref_i.to(dev),
+                        kl_coef=tc.kl_coef,
+                        normalizer=norm,
+                    )
+                    loss.backward()
+                    w = float(b.mask.sum())
+                    sums["train/loss"] = sums.get("train/loss", 0.0) + float(loss.detach())
+                    for k, v in met.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gn)
+                self.set_lr(lr() if callable(lr) else lr)
+                self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        steps = tc.epochs * math.ceil(len(micro) / math.ceil(len(micro) / tc.minibatches))
+        scalar = ("train/loss", "train/grad_norm")
+        out = {k: v / float(n_tok) / tc.epochs for k, v in sums.items() if k not in scalar}
+        out["train/loss"] = sums.get("train/loss", 0.0) / steps
+        out["train/grad_norm"] = sums.get("train/grad_norm", 0.0) / steps
+        out["train/logprob_drift"] = float(drift / max(float(n_tok), 1.0))
+        out["train/policy_tokens"] = float(n_tok)
+        out["train/lr"] = self.opt.param_groups[0]["lr"]
+        return out
