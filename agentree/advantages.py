@@ -115,29 +115,71 @@ def treepo_pooled(
     return pooled
 
 
+TreePONorm = Literal["batch", "batch-std", "tree-std", "none"]
+TREEPO_NORMS: tuple[str, ...] = ("batch", "batch-std", "tree-std", "none")
+
+
+def treepo_whiten(
+    pooled: Sequence[Sequence[float]],
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    eps: float = 1e-6,
+    shift_mean: bool = True,
+) -> list[list[float]]:
+    """Global (batch) normalisation of pooled TreePO advantages, REINFORCE++ style.
+
+    Every policy token carries its trajectory's pooled value; the mean and the sample std are
+    taken over all policy tokens of the batch (as verl's `masked_whiten`, which REINFORCE++ and
+    the TreePO code train with), and each value becomes (x - mean) / (std + eps), or x / (std
+    + eps) without `shift_mean`. Trees whose rewards are all equal carry no signal; the paper
+    drops them (Eq. 5: s.t. std({R_i}^G) != 0), so they stay at exactly 0 and are left out
+    of the statistics.
+    """
+    live = [max(t.reward for t in g) != min(t.reward for t in g) if g else False for g in groups]
+    values: list[float] = []
+    for p, g, ok in zip(pooled, groups, live, strict=True):
+        if ok:
+            for a, t in zip(p, g, strict=True):
+                values.extend([a] * t.num_policy_tokens)
+    if len(values) < 2 or max(values) == min(values):
+        return [[0.0] * len(g) for g in groups]
+    mu = _mean(values) if shift_mean else 0.0
+    s = _std(values)
+    return [
+        [(a - mu) / (s + eps) if ok else 0.0 for a in p] for p, ok in zip(pooled, live, strict=True)
+    ]
+
+
 def treepo_advantages(
     tree: Tree,
     trajectories: Sequence[Trajectory],
     *,
     eps: float = 1e-6,
-    norm: Literal["group", "none"] = "group",
+    norm: TreePONorm = "batch",
     distinct_subgroups: bool = False,
 ) -> list[list[float]]:
-    """TreePO advantage, conference version Eq. 5, broadcast onto each trajectory's tokens.
+    """TreePO advantage, Eq. 5, for one tree (a batch of one), broadcast onto its tokens.
 
-    A_i = (1/|J|) sum_j (R_i - mean(G_j)) / std over G: sub-group mean baselines, a simple
-    average across depths (§4.2 found it better than the size-weighted Eq. 6), and variance
-    normalisation over the tree group G (the conference Eq. 5 writes std(.)^G; the arXiv
-    version's std(.)^{J-1} is over one trajectory's depths). `norm="none"` skips the division;
-    `compute_advantages(..., norm="batch")` divides by the std over the whole batch instead
-    (REINFORCE++-style global normalisation). Groups whose rewards are all equal get zeros
-    (the paper rejects them, s.t. std({R_i}^G) != 0).
+    A_i = (1/|J|) sum_j (R_i - mean(G_j)), sub-group mean baselines averaged across depths
+    (§4.2 found this better than the size-weighted Eq. 6), then normalised by `norm`:
+
+    - `batch` (default): the paper's "global variance normalization as in REINFORCE++",
+      whitening over the batch's policy tokens (`treepo_whiten`: subtract the mean, divide
+      by the std). Use `compute_advantages("treepo", ...)` to whiten over many trees at once.
+    - `batch-std`: divide by the batch std without subtracting the mean.
+    - `tree-std`: divide by the sample std of the pooled values over this tree only, no mean
+      shift (a reading of the conference Eq. 5's std(.)^G).
+    - `none`: the pooled values as they are.
+
+    Groups whose rewards are all equal get zeros (the paper rejects them).
     """
-    if norm not in ("group", "none"):
-        raise ValueError(f"norm must be 'group' or 'none' here, got {norm!r}")
+    if norm not in TREEPO_NORMS:
+        raise ValueError(f"treepo norm must be one of {TREEPO_NORMS}, got {norm!r}")
     _check_group(tree, trajectories)
     pooled = treepo_pooled(trajectories, distinct_subgroups=distinct_subgroups)
-    if norm == "group":
+    if norm in ("batch", "batch-std"):
+        (pooled,) = treepo_whiten([pooled], [trajectories], eps=eps, shift_mean=norm == "batch")
+    elif norm == "tree-std":
         pooled = _divide_by_std(pooled, eps)
     return [_broadcast(a, t) for a, t in zip(pooled, trajectories, strict=True)]
 
@@ -193,21 +235,28 @@ def _treepo(
     trees: Sequence[Tree],
     groups: Sequence[Sequence[Trajectory]],
     *,
-    norm: str = "group",
+    norm: str = "batch",
     eps: float = 1e-6,
-    **kw: Any,
+    distinct_subgroups: bool = False,
 ):
-    if norm != "batch":
+    if norm not in TREEPO_NORMS:
+        raise ValueError(f"treepo norm must be one of {TREEPO_NORMS}, got {norm!r}")
+    if norm in ("tree-std", "none"):
         return [
-            treepo_advantages(tree, trajs, eps=eps, norm=norm, **kw)
+            treepo_advantages(
+                tree, trajs, eps=eps, norm=norm, distinct_subgroups=distinct_subgroups
+            )  # type: ignore[arg-type]
             for tree, trajs in zip(trees, groups, strict=True)
         ]
-    # Global normalisation (REINFORCE++): one std over every trajectory of the batch.
+    # Global normalisation (REINFORCE++): one mean and std over every policy token of the batch.
     for tree, trajs in zip(trees, groups, strict=True):
         _check_group(tree, trajs)
-    pooled = [treepo_pooled(trajs, **kw) for trajs in groups]
-    flat = iter(_divide_by_std([a for p in pooled for a in p], eps))
-    return [[_broadcast(next(flat), t) for t in trajs] for trajs in groups]
+    pooled = [treepo_pooled(trajs, distinct_subgroups=distinct_subgroups) for trajs in groups]
+    whitened = treepo_whiten(pooled, groups, eps=eps, shift_mean=norm == "batch")
+    return [
+        [_broadcast(a, t) for a, t in zip(adv, trajs, strict=True)]
+        for adv, trajs in zip(whitened, groups, strict=True)
+    ]
 
 
 def _treerl(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
@@ -216,6 +265,34 @@ def _treerl(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw:
 
 _DISPATCH = {"grpo": _grpo, "treepo": _treepo, "treerl": _treerl}
 ESTIMATORS = tuple(_DISPATCH)
+
+ADVANTAGE_OPTIONS: dict[str, dict[str, tuple[str, ...] | type]] = {
+    "grpo": {"eps": float, "scale": ("std", "none")},
+    "treepo": {"eps": float, "norm": TREEPO_NORMS, "distinct_subgroups": bool},
+    "treerl": {},
+}
+"""Each estimator's keyword options: a type, or the tuple of allowed values."""
+
+
+def check_advantage_options(name: str, options: dict[str, Any]) -> None:
+    """Raise a one-sentence ValueError if `options` are not valid options of estimator `name`."""
+    if name not in _DISPATCH:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ESTIMATORS}")
+    allowed = ADVANTAGE_OPTIONS[name]
+    for key, value in options.items():
+        if key not in allowed:
+            raise ValueError(
+                f"advantage {name!r} has no option {key!r}; its options are {sorted(allowed)}"
+            )
+        spec = allowed[key]
+        if isinstance(spec, tuple):
+            if value not in spec:
+                raise ValueError(f"advantage option {key!r} must be one of {spec}, got {value!r}")
+        elif spec is float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"advantage option {key!r} must be a number >= 0, got {value!r}")
+        elif not isinstance(value, spec):
+            raise ValueError(f"advantage option {key!r} must be a {spec.__name__}, got {value!r}")
 
 
 def compute_advantages(
@@ -227,11 +304,9 @@ def compute_advantages(
     """Per-token advantages `out[k][i][t]` for token t of trajectory i of tree k.
 
     `name` is one of `grpo` (group-normalised outcome over each tree's group, PATR Eq. 9),
-    `treepo` or `treerl`; `kw` goes to that estimator (`eps`, `scale` for grpo; `eps`, `norm`
-    in {"group", "none", "batch"}, `distinct_subgroups` for treepo).
+    `treepo` or `treerl`; `kw` are that estimator's options, listed in `ADVANTAGE_OPTIONS`.
     """
-    if name not in _DISPATCH:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ESTIMATORS}")
+    check_advantage_options(name, kw)
     if len(trees) != len(trajectories_by_tree):
         raise ValueError(
             f"got {len(trees)} trees but {len(trajectories_by_tree)} trajectory groups; "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentree.envs.base import env_class, format_validation_error
 from agentree.models.tiny import TinyModelConfig
@@ -93,10 +93,17 @@ class TrainConfig(_Section):
     """Upper clip (1 + eps_high); 0.28 is DAPO's clip-higher and the PATR paper's value."""
     kl_coef: float = Field(0.001, ge=0.0)
     """Weight of the k3 KL penalty to the initial policy (paper: 0.001); 0 disables it."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip: a negative-advantage token's loss is capped at c|A| (verl: 3); null disables."""
+    log_ratio_clamp: float | None = Field(20.0, gt=0.0)
+    """Clamp log(pi/pi_old) to +-this before exp (verl: 20), for stale data; null disables."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """token-mean (DAPO) or seq-mean (GRPO)."""
     advantage: Literal["grpo", "treepo", "treerl"] = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9)."""
+    advantage_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the estimator, e.g. treepo {norm: batch|batch-std|tree-std|none,
+    distinct_subgroups: bool, eps}; grpo {eps} (its std scaling is `adv_scale`)."""
     adv_scale: Literal["std", "none"] = "std"
     """Divide group advantages by the group std (GRPO) or not (Dr. GRPO)."""
     dynamic_sampling: bool = False
@@ -117,6 +124,15 @@ class TrainConfig(_Section):
     """Write the step's trees to trees/ every N steps (0: never)."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before and after training)."""
+
+    @model_validator(mode="after")
+    def _check_advantage_options(self) -> TrainConfig:
+        from agentree.advantages import check_advantage_options
+
+        if "scale" in self.advantage_options:
+            raise ValueError("set the grpo std scaling with train.adv_scale, not advantage_options")
+        check_advantage_options(self.advantage, self.advantage_options)
+        return self
 
 
 class EvalConfig(_Section):

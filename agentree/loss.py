@@ -5,6 +5,16 @@ Per policy token (GRPO Eq. 2 / PATR Eq. 2, with DAPO's clip-higher):
     l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t) + kl_coef * k3_t
     rho_t = exp(logp_t - old_logp_t),   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
 
+Off-policy safety (verl's defaults), for data sampled by an older policy (several epochs or
+minibatches per rollout, asynchronous rollouts):
+
+    log-ratio clamp:  rho_t = exp(clamp(logp_t - old_logp_t, -log_ratio_clamp, +log_ratio_clamp))
+    dual-clip (A_t < 0 only):  l_t = min(l_t, -c A_t) = min(l_t, c |A_t|)
+
+The clamp keeps exp() finite when pi_old is far off; dual-clip (Ye et al., 2020) bounds the
+loss of a negative-advantage token at c |A_t| however large its ratio grows, where the PPO
+bound alone is unbounded. Both are inert on on-policy data (rho_t = 1 < c).
+
 aggregated as `token-mean` (DAPO Eq. 8, TreePO Eq. 1: sum over every policy token of the batch
 divided by their number) or `seq-mean` (GRPO/PATR Eq. 2: mean over each sequence's tokens,
 then over sequences). Tensors are [batch, seq]; `mask` is 1 on policy tokens.
@@ -82,13 +92,17 @@ def policy_loss(
     kl_coef: float = 0.0,
     normalizer: float | None = None,
     entropy: Tensor | None = None,
+    clip_ratio_c: float | None = 3.0,
+    log_ratio_clamp: float | None = 20.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped-ratio policy loss with asymmetric clip and optional k3 KL; see the module doc.
+    """Clipped-ratio policy loss with asymmetric clip, dual-clip, log-ratio clamp and optional
+    k3 KL; see the module doc. `clip_ratio_c` or `log_ratio_clamp` None turns that one off.
 
     Returns the scalar loss (differentiable w.r.t. `logprobs` only: old log-probs, advantages
     and the reference are constants of the objective) and detached metrics averaged over this
     batch's policy tokens: clip fractions on each side (tokens whose gradient the clip zeroes),
-    approx KL(pi_old || pi_theta) (k3), mean ratio, KL to the reference and entropy if given.
+    approx KL(pi_old || pi_theta) (k3), mean ratio, the dual-clip fraction (negative-advantage
+    tokens whose loss the dual-clip bound replaces), KL to the reference and entropy if given.
     """
     shapes = {t.shape for t in (logprobs, old_logprobs, advantages, mask)}
     if ref_logprobs is not None:
@@ -97,6 +111,10 @@ def policy_loss(
         raise ValueError(f"logprobs, old_logprobs, advantages, mask, ref differ in shape: {shapes}")
     if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (verl: 3.0) or None, got {clip_ratio_c}")
+    if log_ratio_clamp is not None and log_ratio_clamp <= 0.0:
+        raise ValueError(f"log_ratio_clamp must be > 0 (verl: 20) or None, got {log_ratio_clamp}")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef is set but ref_logprobs is None; pass the reference log-probs")
     on = mask.bool()
@@ -104,10 +122,17 @@ def policy_loss(
     # Padding may hold garbage log-probs: mask before exp() so 0 * inf never makes a nan, in the
     # loss or in its gradient.
     log_ratio = torch.where(on, logprobs - old_logprobs.detach(), zero)
+    if log_ratio_clamp is not None:
+        log_ratio = torch.clamp(log_ratio, -log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     adv = torch.where(on, advantages.detach().to(logprobs.dtype), zero)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # PPO pessimistic bound
+    dual = torch.zeros_like(on)
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * adv  # c |A| where A < 0
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
     kl = None
     if ref_logprobs is not None:
         kl = k3_kl(torch.where(on, ref_logprobs.detach() - logprobs, zero))
@@ -122,6 +147,7 @@ def policy_loss(
             "train/clip_frac_high": masked_mean(((ratio > 1 + eps_high) & (adv > 0)).float(), on),
             "train/approx_kl": masked_mean(k3_kl(log_ratio), on),  # KL(pi_old || pi_theta)
             "train/ratio_mean": masked_mean(ratio, on),
+            "train/dual_clip_frac": masked_mean(dual.float(), on),
         }
         if kl is not None:
             metrics["train/kl"] = masked_mean(kl, on)

@@ -56,6 +56,7 @@ class PolicyUpdate:
         """Advantages per token, then micro-batches of trajectories."""
         tc = self.tc
         kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
+        kw.update(tc.advantage_options)
         advs = compute_advantages(tc.advantage, trees, groups, **kw)
         trajs = [t for g in groups for t in g]
         adv_tokens = [a for g in advs for a in g]
@@ -110,6 +111,8 @@ class PolicyUpdate:
                         ref_logprobs=None if ref_i is None else ref_i.to(dev),
                         kl_coef=tc.kl_coef,
                         normalizer=norm,
+                        clip_ratio_c=tc.clip_ratio_c,
+                        log_ratio_clamp=tc.log_ratio_clamp,
                     )
                     loss.backward()
                     w = float(b.mask.sum())

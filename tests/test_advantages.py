@@ -5,6 +5,7 @@ import math
 import pytest
 
 from agentree.advantages import (
+    check_advantage_options,
     compute_advantages,
     group_normalized,
     treepo_advantages,
@@ -116,14 +117,14 @@ def test_treepo_pooled_by_hand():
     assert TOY_POOLED[0] == pytest.approx(9 / 20) and TOY_POOLED[3] == pytest.approx(11 / 45)
 
 
-def test_treepo_advantages_normalise_by_the_group_std():
+def test_treepo_tree_std_divides_by_the_tree_std():
     tree = toy_tree()
     trajs = tree.trajectories()
     # Sample std over G of the pooled values: mean = (81 - 99 - 114 + 44 + 44)/180/5 = -11/225.
     mean = -11 / 225
     std = math.sqrt(sum((x - mean) ** 2 for x in TOY_POOLED) / 4)
     assert std == pytest.approx(0.5034050722, abs=1e-9)
-    adv = treepo_advantages(tree, trajs, eps=0.0)
+    adv = treepo_advantages(tree, trajs, eps=0.0, norm="tree-std")
     for per_token, traj, pooled in zip(adv, trajs, TOY_POOLED, strict=True):
         assert len(per_token) == len(traj.token_ids)
         want = [pooled / std if m else 0.0 for m in traj.loss_mask]
@@ -221,22 +222,75 @@ def test_compute_advantages_tree_estimators_match_the_functions():
     assert compute_advantages("treerl", trees, groups) == [
         treerl_advantages(t, g) for t, g in zip(trees, groups, strict=True)
     ]
-    assert compute_advantages("treepo", trees, groups, eps=0.0) == [
-        treepo_advantages(t, g, eps=0.0) for t, g in zip(trees, groups, strict=True)
-    ]
+    for norm in ("tree-std", "none"):
+        assert compute_advantages("treepo", trees, groups, eps=0.0, norm=norm) == [
+            treepo_advantages(t, g, eps=0.0, norm=norm) for t, g in zip(trees, groups, strict=True)
+        ]
 
 
-def test_compute_advantages_treepo_batch_norm_uses_one_std_for_all_trees():
+# Global whitening (TreePO §3.3 "global variance normalization as in REINFORCE++"): every
+# policy token carries its trajectory's pooled value; policy tokens per trajectory, by hand:
+# toy a1 = a(2) + a1(1) = 3, a2 = 3, b2 = b(1) + b2(1) = 2, b1x = 1 + 2 + 1 = 4, b1y = 1 + 2 + 2
+# = 5; chain l1 = c + d + l1 = 3, l2 = 3, e1 = e + e1 = 2.
+CHAIN_POOLED = [5 / 9, -4 / 9, -1 / 3]  # see test_treepo_counts_each_depth...
+TOY_TOKENS, CHAIN_TOKENS = [3, 3, 2, 4, 5], [3, 3, 2]
+
+
+def token_stats(pooled, tokens):
+    values = [x for x, n in zip(pooled, tokens, strict=True) for _ in range(n)]
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1))
+
+
+def test_treepo_batch_whitening_subtracts_the_batch_mean_and_divides_by_its_std():
     trees = [toy_tree(), chain_tree()]
     groups = [t.trajectories() for t in trees]
-    chain_pooled = [5 / 9, -4 / 9, -1 / 3]  # see test_treepo_counts_each_depth...
-    pooled = TOY_POOLED + chain_pooled
-    mean = sum(pooled) / 8
-    std = math.sqrt(sum((x - mean) ** 2 for x in pooled) / 7)
-    out = compute_advantages("treepo", trees, groups, norm="batch", eps=0.0)
+    assert [t.num_policy_tokens for t in groups[0]] == TOY_TOKENS
+    assert [t.num_policy_tokens for t in groups[1]] == CHAIN_TOKENS
+    mean, std = token_stats(TOY_POOLED + CHAIN_POOLED, TOY_TOKENS + CHAIN_TOKENS)
+    # 25 tokens: sum = 3(9/20) - 3(11/20) - 2(19/30) + 9(11/45) + 3(5/9) - 3(4/9) - 2/3
+    assert mean == pytest.approx((1.35 - 1.65 - 19 / 15 + 2.2 + 5 / 3 - 4 / 3 - 2 / 3) / 25)
+    out = compute_advantages("treepo", trees, groups, eps=0.0)  # norm="batch" is the default
+    a = (TOY_POOLED[0] - mean) / std
+    assert out[0][0] == pytest.approx([0, 0, a, a, 0, a], abs=1e-12)  # a1: prompt, a, obs, a1
+    c = (5 / 9 - mean) / std  # l1: root prompt, c's action and observation, d's, l1's action
+    assert out[1][0] == pytest.approx([0, c, 0, c, 0, c], abs=1e-12)
+    # whitened: the batch's policy tokens now have mean 0 and std 1
+    flat = [
+        x
+        for g, o in zip(groups, out, strict=True)
+        for t, a in zip(g, o, strict=True)
+        for x, m in zip(a, t.loss_mask, strict=True)
+        if m
+    ]
+    assert sum(flat) / len(flat) == pytest.approx(0.0, abs=1e-12)
+    assert token_stats(flat, [1] * len(flat))[1] == pytest.approx(1.0, abs=1e-12)
+    # batch-std keeps the old, unshifted scaling by the same token std
+    out = compute_advantages("treepo", trees, groups, eps=0.0, norm="batch-std")
     assert out[0][0][2] == pytest.approx(TOY_POOLED[0] / std, abs=1e-12)
-    a = 5 / 9 / std  # l1: root prompt, c's action and observation, d's, l1's action
-    assert out[1][0] == pytest.approx([0, a, 0, a, 0, a], abs=1e-12)
+
+
+def test_treepo_batch_whitening_leaves_out_trees_without_signal():
+    trees = [toy_tree(), chain_tree()]
+    for n in trees[1].leaves():
+        n.reward = 1.0  # all equal: rejected by the paper (s.t. std({R_i}^G) != 0)
+    groups = [t.trajectories() for t in trees]
+    out = compute_advantages("treepo", trees, groups, eps=0.0)
+    assert all(x == 0.0 for per_token in out[1] for x in per_token)
+    mean, std = token_stats(TOY_POOLED, TOY_TOKENS)  # statistics over the toy tree alone
+    assert out[0][3][2] == pytest.approx((TOY_POOLED[3] - mean) / std, abs=1e-12)
+    single = treepo_advantages(trees[0], groups[0], eps=0.0)  # one tree: a batch of one
+    assert single == out[0]
+
+
+def test_advantage_options_are_validated():
+    check_advantage_options("treepo", {"norm": "tree-std", "distinct_subgroups": True})
+    with pytest.raises(ValueError, match="has no option 'norm'"):
+        check_advantage_options("grpo", {"norm": "batch"})
+    with pytest.raises(ValueError, match="must be one of"):
+        check_advantage_options("treepo", {"norm": "group"})
+    with pytest.raises(ValueError, match="must be a bool"):
+        check_advantage_options("treepo", {"distinct_subgroups": "yes"})
 
 
 def test_compute_advantages_rejects_bad_input():

@@ -207,3 +207,66 @@ def test_policy_loss_rejects_bad_arguments():
         policy_loss(x, x, x, x, eps_low=0.2, eps_high=0.2, agg="seq-sum")
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(x, x, x, x, eps_low=0.2, eps_high=0.2, agg="token-mean", kl_coef=0.1)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(x, x, x, x, eps_low=0.2, eps_high=0.2, agg="token-mean", clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        policy_loss(x, x, x, x, eps_low=0.2, eps_high=0.2, agg="token-mean", log_ratio_clamp=0.0)
+
+
+# -- off-policy safety: dual-clip (Ye et al., 2020; verl clip_ratio_c = 3) and the log-ratio
+# clamp (verl: +-20) ------------------------------------------------------------------------
+# eps 0.2/0.28, c = 3. PPO loss -min(rho A, clip(rho) A), then for A < 0: min(that, c |A|).
+DUAL_RATIOS = [5.0, 2.5, 5.0, 0.5, 4.0]
+DUAL_ADVS = [-1.0, -1.0, 1.0, -2.0, -0.5]
+#   5,-1   -> PPO 5 (unclipped: rho A < clip(rho) A), c|A| = 3 -> 3, no gradient
+#   2.5,-1 -> 2.5 < 3: PPO loss kept, gradient -rho A = 2.5
+#   5,+1   -> -1.28 (clipped high); positive A: dual-clip never applies
+#   0.5,-2 -> -min(-1, -1.6) = 1.6 (clipped low) < c|A| = 6: kept, no gradient
+#   4,-0.5 -> PPO 2, c|A| = 1.5 -> 1.5, no gradient
+DUAL_LOSS = [3.0, 2.5, -1.28, 1.6, 1.5]
+DUAL_GRAD = [0.0, 2.5, 0.0, 0.0, 0.0]
+
+
+def test_dual_clip_caps_negative_advantage_losses_at_c_times_abs_a():
+    old = torch.zeros(1, 5, dtype=F64)
+    logp = torch.log(t([DUAL_RATIOS])).requires_grad_()
+    adv, mask = t([DUAL_ADVS]), torch.ones(1, 5, dtype=F64)
+    kw = {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"}
+    loss, metrics = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0, **kw)
+    assert loss.item() == pytest.approx(sum(DUAL_LOSS) / 5, abs=1e-12)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([g / 5 for g in DUAL_GRAD], abs=1e-12)
+    assert metrics["train/dual_clip_frac"] == pytest.approx(2 / 5)
+    # without dual-clip the first and last tokens keep their PPO losses 5 and 2
+    off, _ = policy_loss(logp.detach(), old, adv, mask, clip_ratio_c=None, **kw)
+    assert off.item() == pytest.approx((5 + 2.5 - 1.28 + 1.6 + 2) / 5, abs=1e-12)
+
+
+def test_dual_clip_is_inert_on_policy():
+    logp = torch.tensor([[-0.3, -1.2, -2.0]], dtype=F64, requires_grad=True)
+    adv, mask = t([[-3.0, 2.0, -0.5]]), torch.ones(1, 3, dtype=F64)
+    kw = {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"}
+    a, _ = policy_loss(logp, logp.detach(), adv, mask, **kw)  # defaults c = 3, clamp 20
+    b, _ = policy_loss(
+        logp, logp.detach(), adv, mask, clip_ratio_c=None, log_ratio_clamp=None, **kw
+    )
+    assert a.item() == b.item() == pytest.approx(-(-3.0 + 2.0 - 0.5) / 3, abs=1e-12)
+
+
+def test_log_ratio_clamp_keeps_stale_ratios_finite():
+    # log(pi/pi_old) = 30 and 1000: clamped to 20 before exp, so rho = e^20 for both.
+    logp = t([[30.0, 1000.0]]).requires_grad_()
+    old, adv, mask = torch.zeros(1, 2, dtype=F64), t([[-1.0, -1.0]]), torch.ones(1, 2, dtype=F64)
+    kw = {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean", "clip_ratio_c": None}
+    loss, metrics = policy_loss(logp, old, adv, mask, log_ratio_clamp=20.0, **kw)
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-12)  # mean of e^20 and e^20
+    assert metrics["train/ratio_mean"] == pytest.approx(math.exp(20), rel=1e-12)
+    loss.backward()
+    assert logp.grad[0].tolist() == [0.0, 0.0]  # outside the clamp: no gradient
+    unclamped, _ = policy_loss(logp.detach(), old, adv, mask, log_ratio_clamp=None, **kw)
+    assert math.isinf(unclamped.item())
+    # with the default dual-clip too, each stale negative token costs exactly c |A| = 3
+    both, _ = policy_loss(
+        logp.detach(), old, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean"
+    )
+    assert both.item() == pytest.approx(3.0, abs=1e-12)
