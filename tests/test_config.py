@@ -12,11 +12,68 @@ def test_shipped_configs_validate():
 
 
 def test_defaults_are_the_paper_values():
-    cfg = load_config("frozenlake_patr")
-    r = cfg.rollout
-    assert (r["B0"], r["K"], r["M"], r["top_k"], r["alpha"], r["theta"]) == (4, 5, 2, 2, 0.5, 6)
-    assert cfg.env["max_turns"] == 10 and cfg.engine.temperature == 1.0
-    assert cfg.train.eps_high == 0.28
+    """Every PATR value the paper states (§4, §5.1, App. A), in the code defaults and the config."""
+    from agentree.config import EngineConfig, TrainConfig
+    from agentree.envs.frozenlake import FrozenLakeConfig
+    from agentree.rollout.patr import PATRConfig
+
+    paper = {"B0": 4, "K": 5, "M": 2, "top_k": 2, "alpha": 0.5, "theta": 6}
+    code = PATRConfig()
+    assert {k: getattr(code, k) for k in paper} == paper
+    assert code.theta_at == "checkpoint"  # Algorithm 1, line 8
+    assert code.group == "keep-all"  # Eq. 6: G(x) = C, pruned branches included
+    fl = FrozenLakeConfig()
+    assert fl.max_turns == 10 and fl.is_slippery is False and fl.invalid_penalty == 0.0
+    assert EngineConfig().temperature == 1.0
+    tc = TrainConfig()  # App. A: lr 1e-6, clipping ratio 0.28, KL 0.001
+    assert (tc.lr, tc.eps_high, tc.kl_coef) == (1e-6, 0.28, 0.001)
+    assert tc.advantage == "grpo" and tc.adv_scale == "std"  # Eq. 9
+    assert tc.epochs == 1 and tc.minibatches == 1  # on-policy: rho = 1 at the first step
+    for name in ("frozenlake_patr", "frozenlake_patr_eq2"):
+        cfg = load_config(name)
+        assert {k: cfg.rollout[k] for k in paper} == paper, name
+        assert cfg.rollout["theta_at"] == "checkpoint" and cfg.rollout["group"] == "keep-all"
+        assert cfg.env["max_turns"] == 10 and cfg.env["is_slippery"] is False
+        assert cfg.engine.temperature == 1.0 and cfg.scorer["name"] == "bfs"
+        assert cfg.train.eps_high == 0.28
+    # SWE: the same values except K (13 in the paper; CPU-sized to 3 in the shipped config)
+    swe = load_config("swebench_patr")
+    assert {k: swe.rollout[k] for k in paper if k != "K"} == {
+        k: paper[k] for k in paper if k != "K"
+    }
+    assert swe.train.kl_coef == 0.001 and swe.train.eps_low == swe.train.eps_high == 0.28
+
+
+def test_eq2_config_is_patr_eq2_as_printed():
+    t = load_config("frozenlake_patr_eq2").train
+    assert t.loss_agg == "seq-mean"  # 1/G sum_i 1/|tau_i| sum_t
+    assert t.eps_low == t.eps_high == 0.28  # clip(rho, 1 - eps, 1 + eps), eps = 0.28
+    assert t.kl_coef == 0.001
+    assert t.clip_ratio_c is None and t.log_ratio_clamp is None
+    assert t.advantage == "grpo" and t.adv_scale == "std" and t.advantage_options == {}
+
+
+# What each objective named in a config's "# Objective:" header means, as train settings.
+OBJECTIVES = {
+    "PATR Eq. 2": {"loss_agg": "seq-mean", "eps_low": 0.28, "eps_high": 0.28, "kl_coef": 0.001},
+    "DAPO with TreeRL's KL": {"loss_agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28},
+    "DAPO": {"loss_agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "kl_coef": 0.0},
+    "GRPO": {"loss_agg": "seq-mean", "eps_low": 0.2, "eps_high": 0.2, "kl_coef": 0.0},
+}
+
+
+def test_every_shipped_config_says_which_objective_it_optimises():
+    from importlib import resources
+
+    for name in available_configs():
+        text = resources.files("agentree.configs").joinpath(f"{name}.yaml").read_text()
+        assert text.startswith("# Objective: "), f"{name}.yaml must open with '# Objective:'"
+        head = text.splitlines()[0].removeprefix("# Objective: ")
+        label = next((k for k in OBJECTIVES if head.startswith(k)), None)
+        assert label is not None, f"{name}.yaml names an unknown objective: {head}"
+        train = load_config(name).train
+        for key, value in OBJECTIVES[label].items():
+            assert getattr(train, key) == value, (name, label, key)
 
 
 def test_typos_are_errors_naming_the_key():

@@ -114,23 +114,52 @@ def test_patr_routes_by_score_median_minus_alpha(tokenizer):
 def test_children_continue_from_the_parent_state(tokenizer):
     ctx = context(tokenizer, first_moves(None), FixedScorer(lambda b: 0.5), max_turns=6)
     patr = make_controller("patr", B0=2, K=2, M=3, top_k=1, alpha=None, theta=None)
-    (tree,), _ = patr.rollout([task()], ctx)
-    for node in tree.nodes:
-        if len(node.children) > 1 and node.parent is not None:
-            pos = node.info["env"]["pos"]
-            for c in node.children:
-                # each child's first move (Right) starts where the parent stood
-                assert tree.nodes[c].info["env"]["pos"] == [pos[0], min(pos[1] + 1, 3)]
+    (tree,), stats = patr.rollout([task()], ctx)
+    # checkpoints at turns 2 and 4 expand one branch each (2 -> 4 -> 6 live); turn 6 ends all
+    assert stats.expanded == 2 and stats.forks == 1 + 2 * 2
+    assert stats.trajectories == 6 and CountingEnv.counts["restore"] == 5
+    expanded = [n for n in tree.nodes if n.parent is not None and len(n.children) > 1]
+    assert [n.turn for n in expanded] == [2, 4] and all(len(n.children) == 3 for n in expanded)
+    for node in expanded:
+        pos = node.info["env"]["pos"]
+        assert pos != [0, 0]  # a fresh env would stand at the start
+        for c in node.children:
+            # each child's first move (Right) starts where the parent stood
+            assert tree.nodes[c].info["env"]["pos"] == [pos[0], min(pos[1] + 1, 3)]
 
 
-def test_repeated_actions_are_pruned_after_theta(tokenizer):
+def test_repeated_actions_are_pruned_after_theta_every_turn(tokenizer):
     ctx = context(tokenizer, lambda text, i: "```Up```", FixedScorer(lambda b: 0.5), max_turns=10)
-    patr = make_controller("patr", B0=2, K=5, theta=3, alpha=None, top_k=0)
+    patr = make_controller("patr", B0=2, K=5, theta=3, alpha=None, top_k=0, theta_at="every_turn")
     (tree,), stats = patr.rollout([task()], ctx)
     leaves = tree.finished_leaves()
     assert [leaf.end_reason for leaf in leaves] == [EndReason.PRUNED_REPEAT] * 2
     assert all(leaf.turn == 3 for leaf in leaves)
     assert stats.pruned == 2
+
+
+def test_theta_repeat_stop_applies_at_checkpoints_to_unexpanded_branches(tokenizer):
+    # Algorithm 1, line 8: L is drawn from A \ E, at checkpoints. Both branches repeat Up from
+    # turn 1; at the turn-5 checkpoint (5 repeats >= theta = 3) the expanded one forks into
+    # M = 2 children, the other stops as pruned_repeat. The children run to the 10-turn limit.
+    ctx = context(tokenizer, lambda text, i: "```Up```", FixedScorer(lambda b: 0.5), max_turns=10)
+    patr = make_controller("patr", B0=2, K=5, M=2, top_k=1, theta=3, alpha=None)
+    assert patr.config.theta_at == "checkpoint"  # the paper's placement is the default
+    (tree,), stats = patr.rollout([task()], ctx)
+    ends = sorted((leaf.turn, leaf.end_reason) for leaf in tree.finished_leaves())
+    assert ends == [
+        (5, EndReason.PRUNED_REPEAT),
+        (10, EndReason.MAX_TURNS),
+        (10, EndReason.MAX_TURNS),
+    ]
+    assert stats.pruned == 1 and stats.expanded == 1
+    # top_k = 0: nothing is expanded, both stop at the first checkpoint, not at turn 3
+    (tree,), stats = make_controller("patr", B0=2, K=5, theta=3, alpha=None, top_k=0).rollout(
+        [task()], ctx
+    )
+    assert [(x.turn, x.end_reason) for x in tree.finished_leaves()] == [
+        (5, EndReason.PRUNED_REPEAT)
+    ] * 2
 
 
 def test_scorer_failure_falls_back_to_survive(tokenizer):
@@ -245,5 +274,14 @@ def test_user_env_runs_through_patr_by_import_path(tokenizer):
         rng=random.Random(0),
     )
     trees, stats = make_controller("patr", K=2).rollout([Task("g", seed=5)], ctx)
-    assert stats.trajectories >= 4 and stats.forks >= 3
-    assert all(leaf.end_reason is not None for leaf in trees[0].leaves())
+    tree = trees[0]
+    assert all(leaf.end_reason is not None for leaf in tree.leaves())
+    # Only expansion makes an inner node with several children and forks beyond the B0 - 1 of
+    # the root; the children continue the parent's env state, so no episode outlives the
+    # env's 6-guess limit (a fresh env would restart its count).
+    expanded = [n for n in tree.nodes if n.parent is not None and len(n.children) > 1]
+    assert stats.expanded >= 1 and len(expanded) == stats.expanded
+    assert stats.forks == 3 + stats.expanded * (2 - 1)
+    assert stats.trajectories == 4 + stats.expanded
+    assert all(leaf.turn <= 6 for leaf in tree.leaves())
+    assert any(leaf.end_reason == EndReason.MAX_TURNS and leaf.turn == 6 for leaf in tree.leaves())

@@ -2,9 +2,11 @@
 
 Start B0 branches per task. Repeatedly: advance every active branch K turns; score the active
 ones (Eq. 3); expand the top-k by M children each (Eq. 4; children fork the parent's env state);
-prune branches scoring below median(active) - alpha (Eq. 5); the rest survive. Branches that
-repeat the same action theta times in a row stop as soon as they do. Every finished branch,
-pruned or not, is in the group (Eq. 6, "keep all"); `group: best-n` drops pruned ones.
+prune branches scoring below median(active) - alpha (Eq. 5) and, as Algorithm 1 line 8 has it,
+unexpanded branches whose last theta actions are the same (the Theta-repeat criterion, checked
+at checkpoints); the rest survive. `theta_at: every_turn` instead stops a repeating branch at
+the turn it reaches theta repeats, expanded or not. Every finished branch, pruned or not, is in
+the group (Eq. 6, "keep all"); `group: best-n` drops pruned ones.
 
 Where the paper is silent: a branch whose score is unavailable (scorer failure) survives
 unexpanded and counts as a fallback; ties in the top-k are broken at random; `max_active`
@@ -39,6 +41,9 @@ class PATRConfig(ControllerConfig):
     """Prune margin below the median score (Eq. 5); null disables score pruning."""
     theta: int | None = Field(6, ge=2)
     """Stop a branch that repeats the same action this many times in a row; null disables."""
+    theta_at: Literal["checkpoint", "every_turn"] = "checkpoint"
+    """When the theta-repeat stop applies: at scoring checkpoints to unexpanded branches
+    (Algorithm 1, line 8) or after every turn."""
     group: Literal["keep-all", "best-n"] = "keep-all"
     """Rollout group: every finished branch (paper default) or only unpruned ones."""
     max_active: int = Field(64, ge=1)
@@ -67,7 +72,8 @@ class PATR(Controller):
                     live = [b for bs in active for b in bs]
                     if not live:
                         break
-                    still, _ = runner.advance(live, theta=cfg.theta)
+                    theta = cfg.theta if cfg.theta_at == "every_turn" else None
+                    still, _ = runner.advance(live, theta=theta)
                     keep = {id(b) for b in still}
                     active = [[b for b in bs if id(b) in keep] for bs in active]
                     ctx.report(f"{self.name}: {len(still)} active branches")
@@ -91,7 +97,7 @@ class PATR(Controller):
         ctx: RolloutContext,
         stats: RolloutStats,
     ) -> list[Branch]:
-        """Score, then route each branch to expansion, survival or pruning."""
+        """Score, then route each branch to expansion, survival or pruning (Alg. 1, l. 6-10)."""
         cfg = self.config
         scores = self._scores(runner, task, branches, ctx)
         scored = [(s, ctx.rng.random(), i) for i, s in enumerate(scores) if s is not None]
@@ -104,10 +110,20 @@ class PATR(Controller):
         if cfg.alpha is not None and scored:
             cut = statistics.median(s for s, _, _ in scored) - cfg.alpha
             prune = {i for s, _, i in scored if s < cut and i not in expand}
+        repeat: set[int] = set()
+        if cfg.theta is not None and cfg.theta_at == "checkpoint":
+            # scored or not: the repeat criterion does not depend on the scorer
+            repeat = {
+                i
+                for i, b in enumerate(branches)
+                if i not in expand and i not in prune and b.repeats() >= cfg.theta
+            }
         out: list[Branch] = []
         for i, b in enumerate(branches):
             if i in prune:
                 runner.end(b, EndReason.PRUNED_LOW_SCORE)
+            elif i in repeat:
+                runner.end(b, EndReason.PRUNED_REPEAT)
             elif i in expand:
                 stats.expanded += 1
                 b.tree.nodes[b.node].info["expanded"] = cfg.M
