@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import math
 import os
+import random
 
+import pytest
 from tiny_setup import check_group, tiny_context, tiny_engine
-from toy_policy import EOS, PROMPT, toy_context
+from toy_policy import EOS, PROMPT, ToyEngine, toy_context
 
 from agentree.config import load_config
+from agentree.engines.base import Completion
 from agentree.envs.base import Task
-from agentree.rollout.eptree import EPTree, EPTreeConfig, answer_start
+from agentree.rollout.eptree import (
+    THEOREM1_BOUNDS,
+    EPTree,
+    EPTreeConfig,
+    answer_start,
+    theorem1_phi,
+    theorem1_ratio,
+)
 from agentree.rollout.tokentree import response_ids
 from agentree.trainer import Trainer
 
@@ -135,3 +145,88 @@ def test_train_step_with_eptree_and_treerl_advantage(tmp_path, monkeypatch):
     metrics = Trainer(cfg, tmp_path, log=lambda m: None).train_step()
     assert metrics["rollout/trajectories"] == 2 * 2 * (1 + 1 * 1 * 2)
     assert metrics["train/policy_tokens"] > 0 and "train/loss" in metrics
+
+
+# -- TreeRL Theorem 1 (App. B) -------------------------------------------------------------
+def test_theorem1_ratio_by_hand():
+    # l = 1: R = (1 + nt) / (1 + nt/2); R(1, 1) = 2 / 1.5 = 4/3, R(2, 2) = 5 / 3
+    assert theorem1_ratio(1, 1, 1) == pytest.approx(4 / 3)
+    assert theorem1_ratio(2, 2, 1) == pytest.approx(5 / 3)
+    assert theorem1_ratio(1000, 1, 1) < 2.0
+    # phi(1, 1) = int_0^1 (1 + u^2) / (2 (1 + u)) du = ln 2 - 1/4 (App. B)
+    assert theorem1_phi(1, 1) == pytest.approx(LN2 - 0.25, abs=2e-3)
+    assert 1 / 3 < theorem1_phi(40, 1) < theorem1_phi(4, 1) < theorem1_phi(1, 1)
+    # l = 2, n = t = 1: R = 3 / (1 + 1/2 + phi) = 6 / (3 + 2 (ln 2 - 1/4)) ~ 1.544, the l = 2
+    # lower bound
+    assert theorem1_ratio(1, 1, 2) == pytest.approx(6 / (3 + 2 * (LN2 - 0.25)), abs=2e-3)
+    assert theorem1_ratio(1, 1, 2) == pytest.approx(1.544, abs=2e-3)
+    low, high = THEOREM1_BOUNDS
+    for n in (1, 2, 3, 8):
+        for t in (1, 2, 4):
+            for iters in (1, 2):
+                assert low - 1e-9 <= theorem1_ratio(n, t, iters) < high
+    assert theorem1_ratio(2, 2, 3) is None  # the theorem covers l <= 2 only
+
+
+LENGTH = 60
+
+
+class EndlessEngine(ToyEngine):
+    """A policy with two tokens, a fresh random split at every step and no end token: -log p
+    of the sampled token is i.i.d. over positions, so the top-N fork points are uniform (the
+    theorem's first assumption), and a response runs until its budget is spent. Sampled in
+    plain Python so that the thousands of tokens the statistics need take a fraction of a
+    second."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(lambda resp: {}, seed)
+        self.rng = random.Random(seed)
+
+    def generate(self, prompts, params):
+        out = []
+        for _ in prompts:
+            comps = []
+            for _ in range(params.n):
+                toks, lps = [], []
+                for _ in range(params.max_tokens):
+                    u = self.rng.uniform(0.05, 0.95)
+                    first = self.rng.random() < u
+                    toks.append(1 if first else 2)
+                    lps.append(math.log(u if first else 1 - u))
+                self.stats.tokens_generated += len(toks)
+                comps.append(Completion(toks, lps, "length"))
+            out.append(comps)
+        return out
+
+
+def leaf_ratio(continuation, m, n, iters, t, prompts=20):
+    """Leaves per tree over independent chains of the same length at equal generated tokens."""
+    ctx, _ = toy_context(lambda resp: {}, max_tokens=LENGTH)
+    ctx.engine = EndlessEngine()
+    ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, answer_markers=[], continuation=continuation))
+    trees, stats = ep.rollout([Task(f"t{i}", i) for i in range(prompts)], ctx)
+    lengths = [len(leaf.token_ids) - len(PROMPT) for tree in trees for leaf in ep.group(tree)]
+    leaves = len(lengths) / (prompts * m)
+    chains = stats.policy_tokens_generated / (prompts * m) / LENGTH
+    return leaves / chains, lengths
+
+
+@pytest.mark.parametrize(("n", "iters", "t"), [(2, 1, 2), (1, 2, 1), (2, 2, 1)])
+def test_eptree_leaves_match_theorem1_at_fixed_length(n, iters, t):
+    """The sampler itself, under the theorem's assumptions (uniform fork points, fixed lengths
+    through `continuation: remaining`), gives the leaf ratio Theorem 1 predicts, within its
+    bounds. Positions are discrete (a continuation from offset k has LENGTH - k tokens, mean
+    1/2 + 1/(2 LENGTH) of a chain), so the match is to a few percent."""
+    ratio, lengths = leaf_ratio("remaining", 8, n, iters, t, prompts=50)
+    assert set(lengths) == {LENGTH}  # every leaf is exactly as long as a chain
+    assert ratio == pytest.approx(theorem1_ratio(n, t, iters), rel=0.05)
+    low, high = THEOREM1_BOUNDS
+    assert low <= ratio < high
+
+
+def test_full_budget_continuations_break_the_fixed_length_assumption():
+    # Each continuation spends a whole chain's budget: tokens grow as fast as leaves, so the
+    # tree has exactly as many leaves as independent chains would at equal tokens.
+    ratio, lengths = leaf_ratio("full", 4, 2, 1, 2, prompts=4)
+    assert ratio == pytest.approx(1.0)
+    assert max(lengths) > LENGTH

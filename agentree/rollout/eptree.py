@@ -15,18 +15,26 @@ a marker split over several tokens counts too, and `\\boxed` is one (the math pr
 
 Choices where the paper is silent: a fork point is used at most once (the proof of Theorem 1
 draws new fork points each iteration; the released code could pick the same token again), ties
-go to the earlier chain and position, and each continuation may generate `max_tokens` new tokens
-like a fresh sample (the released code gives continuations the full budget too), so one
-engine call serves every fork point of every prompt.
+go to the earlier chain and position, and by default each continuation may generate
+`max_tokens` new tokens like a fresh sample (the released code gives continuations the full
+budget too), so one engine call serves every fork point of every prompt.
+
+TreeRL's Theorem 1 (App. B: 4/3 to 12/5 times the leaves of independent sampling at equal
+generated tokens) assumes fixed generation lengths: a continuation forked at relative position
+x runs for the remaining 1 - x. `continuation: remaining` gives each continuation exactly the
+tokens its forked response had left after the fork point (one engine call per distinct budget),
+so no leaf outgrows the response it forks from; `theorem1_ratio` is the theorem's prediction.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -57,6 +65,9 @@ class EPTreeConfig(ControllerConfig):
     """Continuations sampled from each fork point (paper: 2)."""
     answer_markers: list[str] = Field(default_factory=lambda: ["answer", "conclusion", "\\boxed"])
     """Answer-start markers (case-insensitive); no fork after them (code: answer, conclusion)."""
+    continuation: Literal["full", "remaining"] = "full"
+    """Continuation budget: max_tokens like a fresh sample (released code), or the tokens the
+    forked response had left after the fork point (Theorem 1's fixed-length setting)."""
 
 
 def answer_start(ids: Sequence[int], decode: Callable[[int], str], markers: Sequence[str]) -> int:
@@ -186,10 +197,50 @@ class _Forest:
             return
         contexts = [self.roots[g].prompt + self._response(g, ch, off) for g, _, ch, off in jobs]
         room = min(self.ctx.max_context - len(x) for x in contexts)
-        budget = max(1, min(room, self.ctx.sampling.max_tokens))
-        params = replace(self.ctx.sampling, n=self.cfg.T, max_tokens=budget)
-        outs = self.ctx.engine.generate(contexts, params)
+        cap = max(1, min(room, self.ctx.sampling.max_tokens))
+        budgets = [cap] * len(jobs)
+        if self.cfg.continuation == "remaining":
+            # the forked response is chain.start + len(chain.token_ids) tokens long
+            budgets = [
+                max(1, min(cap, ch.start + len(ch.token_ids) - off)) for _, _, ch, off in jobs
+            ]
+        outs: list[list[Completion]] = [[] for _ in jobs]
+        for budget in sorted(set(budgets)):  # one engine call per distinct budget
+            idx = [i for i, b in enumerate(budgets) if b == budget]
+            params = replace(self.ctx.sampling, n=self.cfg.T, max_tokens=budget)
+            got = self.ctx.engine.generate([contexts[i] for i in idx], params)
+            for i, comps in zip(idx, got, strict=True):
+                outs[i] = comps
         for (g, tree, chain, off), comps in zip(jobs, outs, strict=True):
             neglogp = -chain.logprobs[off - chain.start]
             for comp in comps:
                 self._add(g, tree, chain, off, comp, iteration=it + 1, neglogp=round(neglogp, 6))
+
+
+# -- TreeRL Theorem 1 (App. B) -------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def theorem1_phi(n: int, t: int, draws: int = 20000, seed: int = 0) -> float:
+    """Monte-Carlo phi(n, t) = E[(1/2 + t/2 sum (1 - x_i)^2) / (1 + t sum (1 - x_i))],
+    x ~ U(0,1)^n: the expected length of a second-iteration continuation (App. B, case l = 2).
+    phi(1, 1) = ln 2 - 1/4; phi decreases towards 1/3 as n grows."""
+    rng = random.Random(seed)
+    acc = 0.0
+    for _ in range(draws):
+        rest = [1.0 - rng.random() for _ in range(n)]  # 1 - x_i
+        acc += (0.5 + t / 2 * sum(r * r for r in rest)) / (1 + t * sum(rest))
+    return acc / draws
+
+
+def theorem1_ratio(n: int, t: int, iterations: int) -> float | None:
+    """Leaves of one EPTree / leaves of independent chains at equal generated tokens, as
+    Theorem 1 derives it: (1 + nt) / (1 + nt/2) for l = 1, (1 + 2nt) / (1 + (1/2 + phi) nt)
+    for l = 2 (the theorem covers l <= 2 only; None beyond)."""
+    if iterations == 1:
+        return (1 + n * t) / (1 + n * t / 2)
+    if iterations == 2:
+        return (1 + 2 * n * t) / (1 + (0.5 + theorem1_phi(n, t)) * n * t)
+    return None
+
+
+THEOREM1_BOUNDS = (4 / 3, 12 / 5)
+"""Theorem 1: the ratio lies in [4/3, 12/5) for l <= 2."""
