@@ -16,6 +16,9 @@ Differences from the papers, on purpose:
   trajectories are the exact sampled ids (no re-tokenisation).
 - DAPO dynamic sampling (optional) drops groups whose rewards are all equal and refills the
   batch with fresh tasks, for at most `max_refill_rounds` extra rollouts per step.
+- For off-policy data, verl's dual-clip (`train.clip_ratio_c`) and log-ratio clamp
+  (`train.log_ratio_clamp`) are on by default; on-policy (one epoch, one minibatch) they are
+  inert. `configs/frozenlake_patr_eq2.yaml` turns them off and is PATR Eq. 2 as printed.
 
 This file is the loop (roll out, update, sync weights, evaluate, save). The pieces it calls:
 `agentree.update` (advantages, micro-batches, loss, optimiser steps), `agentree.batching`

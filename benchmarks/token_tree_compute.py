@@ -8,7 +8,14 @@ tokens, wall time, trajectories/s, trajectory tokens/s and the distinct final an
 group. The prefix cache is cleared before each method so none inherits another's prompts.
 
 A second table compares EPTree's leaf count with independent chains at an equal generated-token
-budget (chains of the stochastic run's mean length), next to TreeRL's Theorem 1.
+budget, next to TreeRL's Theorem 1. The theorem assumes fixed generation lengths (a
+continuation forked at relative position x runs for the remaining 1 - x), so EPTree runs with
+`continuation: remaining` by default (`--eptree-continuation full` gives every continuation the
+whole `max_tokens`, as the released code does): no leaf is longer than the response it forks
+from. Responses still end early at EOS, which the theorem does not model, so the table also
+shows the mean continuation length relative to a chain (the theorem's E[1 - x] = 1/2 for one
+iteration). Independent chains are as long as EPTree's own first chains, which are independent
+samples of the same policy.
 
 The default policy is the env's tiny policy, briefly fine-tuned on the env's well-formed
 answers (`--warmup-steps`) so that its next-token distributions have the peaks and forks of a
@@ -38,9 +45,10 @@ from agentree.engines.hf import HFEngine, load_policy
 from agentree.envs.base import Task, env_class
 from agentree.models.tiny import TinyModelConfig, cache_root, tiny_policy_for_env
 from agentree.rollout.base import Controller, RolloutContext
-from agentree.rollout.eptree import EPTree, EPTreeConfig
+from agentree.rollout.eptree import THEOREM1_BOUNDS, EPTree, EPTreeConfig, theorem1_ratio
 from agentree.rollout.flat import FlatConfig, FlatGRPO
 from agentree.rollout.latr import LATR, LATRConfig
+from agentree.rollout.tokentree import response_ids
 from agentree.rollout.treepo import TreePO, TreePOConfig
 from agentree.tree import Tree
 
@@ -202,54 +210,56 @@ def print_table(results: list[Result]) -> None:
 
 
 # -- TreeRL Theorem 1 --------------------------------------------------------------------------
-def phi(n: int, t: int, draws: int = 20000, seed: int = 0) -> float:
-    """Monte-Carlo E[(1/2 + t/2 sum (1-x)^2) / (1 + t sum (1-x))], x ~ U(0,1)^n (App. B)."""
-    rng = random.Random(seed)
-    acc = 0.0
-    for _ in range(draws):
-        xs = [1 - rng.random() for _ in range(n)]
-        acc += (0.5 + t / 2 * sum(x * x for x in xs)) / (1 + t * sum(xs))
-    return acc / draws
-
-
-def theorem1_ratio(n: int, t: int, iterations: int) -> float | None:
-    """Leaves(EPTree) / leaves(independent chains) at equal tokens, as Theorem 1 derives it."""
-    if iterations == 1:
-        return (1 + n * t) / (1 + n * t / 2)
-    if iterations == 2:
-        return (1 + 2 * n * t) / (1 + (0.5 + phi(n, t)) * n * t)
-    return None
+def first_chains(controller: Controller, tree: Tree) -> list[int]:
+    """Response lengths of EPTree's M first chains (leaves reached without a continuation)."""
+    out = []
+    for t in controller.group(tree):
+        path = tree.path(t.leaf)[1:]
+        if not any("iteration" in n.info.get("eptree", {}) for n in path):
+            out.append(len(response_ids(tree, t.leaf)))
+    return out
 
 
 def theorem1_table(
     engine: HFEngine,
     ctx: RolloutContext,
     tasks: list[Task],
-    chain_len: float,
     settings: list[tuple[int, int, int, int]],
+    continuation: str,
     seed: int,
 ) -> None:
+    low, high = THEOREM1_BOUNDS
     print(
-        f"\nEPTree leaves vs independent chains at equal generated tokens "
-        f"(chain length {chain_len:.1f}, the stochastic run's mean)"
+        f"\nEPTree leaves vs independent chains at equal generated tokens (continuation: "
+        f"{continuation}; chains as long as EPTree's first chains)"
     )
     head = (
-        f"{'(M,N,L,T)':<14}{'leaves':>8}{'tokens':>9}{'chains@=tok':>12}{'ratio':>8}"
-        f"{'Thm 1':>8}  bounds [4/3, 12/5)"
+        f"{'(M,N,L,T)':<14}{'leaves':>8}{'tokens':>9}{'chain len':>10}{'cont/chain':>11}"
+        f"{'chains@=tok':>12}{'ratio':>8}{'Thm 1':>8}  bounds [{low:.3f}, {high:.3f})"
     )
     print(head)
     print("-" * len(head))
     for m, n, iters, t in settings:
-        ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t))
-        (res,) = bench([("eptree", ep)], engine, ctx, tasks, 1, seed)
-        leaves = res.trajectories
-        tokens = res.generated / len(tasks)
+        ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, continuation=continuation))  # type: ignore[arg-type]
+        trees, _, _ = timed_rollout(ep, engine, ctx, tasks, seed)
+        firsts = [x for tree in trees for x in first_chains(ep, tree)]
+        generated = sum(
+            len(nd.action_ids)
+            for tree in trees
+            for nd in tree.nodes[1:]
+            if "copy_of" not in nd.info
+        )
+        leaves = sum(len(ep.group(tree)) for tree in trees) / len(tasks)
+        chain_len = sum(firsts) / len(firsts)
+        continuations = leaves * len(tasks) - len(firsts)
+        cont_len = (generated - sum(firsts)) / max(continuations, 1)
+        tokens = generated / len(tasks)
         chains = tokens / chain_len
         theory = theorem1_ratio(n, t, iters)
         shown = f"{theory:>8.3f}" if theory is not None else f"{'-':>8}"
         print(
-            f"{(m, n, iters, t)!s:<14}{leaves:>8.1f}{tokens:>9.1f}{chains:>12.2f}"
-            f"{leaves / chains:>8.3f}{shown}"
+            f"{(m, n, iters, t)!s:<14}{leaves:>8.1f}{tokens:>9.1f}{chain_len:>10.1f}"
+            f"{cont_len / chain_len:>11.3f}{chains:>12.2f}{leaves / chains:>8.3f}{shown}"
         )
 
 
@@ -270,6 +280,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--segment", type=int, default=16, help="TreePO segment length l")
     ap.add_argument("--eptree", default="2,3,1,1", help="M,N,L,T with M(1+NLT) = group")
+    ap.add_argument(
+        "--eptree-continuation",
+        default="remaining",
+        choices=["remaining", "full"],
+        help="continuation budget: what the forked response had left (Theorem 1's fixed-length "
+        "setting) or max_tokens (released code)",
+    )
     ap.add_argument(
         "--latr-loose",
         default="0.1,0.1",
@@ -314,11 +331,12 @@ def make_methods(args: argparse.Namespace) -> list[tuple[str, Controller]]:
     if m * (1 + n * iters * t) != g:
         raise SystemExit(f"--eptree {args.eptree} gives {m * (1 + n * iters * t)} leaves, not {g}")
     depth = math.ceil(args.max_tokens / args.segment)
+    cont = args.eptree_continuation
     methods: list[tuple[str, Controller]] = [
         ("stochastic", FlatGRPO(FlatConfig(G=g))),
         ("latr", LATR(LATRConfig(k=g))),  # paper thresholds, eta = 1 (training step 0)
         ("treepo", TreePO(TreePOConfig(w=g, d=depth, l=args.segment, b=2))),
-        ("eptree", EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t))),
+        ("eptree", EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, continuation=cont))),
     ]
     if args.latr_loose != "none":
         tau_abs, tau_rel = (float(x) for x in args.latr_loose.split(","))
@@ -333,7 +351,8 @@ def main() -> None:
     tasks = env_class(args.env).generate_tasks(args.prompts, seed=args.seed, split="eval")
     print(
         f"policy {path} | env {args.env} | {len(tasks)} prompts x {args.group} trajectories | "
-        f"max {args.max_tokens} tokens | T={args.temperature} | torch threads "
+        f"max {args.max_tokens} tokens | T={args.temperature} | EPTree continuation "
+        f"{args.eptree_continuation} | torch threads "
         f"{torch.get_num_threads()} | device {engine.device}\n"
     )
     results = bench(make_methods(args), engine, ctx, tasks, args.repeats, args.seed)
@@ -349,7 +368,7 @@ def main() -> None:
     )
     m, n, iters, t = (int(x) for x in args.eptree.split(","))
     settings = [(m, n, iters, t), (4, 1, 1, 1), (2, 2, 1, 2), (2, 2, 2, 1)]
-    theorem1_table(engine, ctx, tasks, base.mean_len, settings, args.seed)
+    theorem1_table(engine, ctx, tasks, settings, args.eptree_continuation, args.seed)
 
 
 if __name__ == "__main__":
