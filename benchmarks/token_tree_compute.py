@@ -295,6 +295,9 @@ def parse_args() -> argparse.Namespace:
         "leave its trees narrow and padded",
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs; the best is shown")
+    ap.add_argument(
+        "--theorem1-only", action="store_true", help="skip the method table, run only Theorem 1's"
+    )
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -355,6 +358,11 @@ def main() -> None:
         f"{args.eptree_continuation} | torch threads "
         f"{torch.get_num_threads()} | device {engine.device}\n"
     )
+    m, n, iters, t = (int(x) for x in args.eptree.split(","))
+    settings = [(m, n, iters, t), (4, 1, 1, 1), (2, 2, 1, 2), (2, 2, 2, 1)]
+    if args.theorem1_only:
+        theorem1_table(engine, ctx, tasks, settings, args.eptree_continuation, args.seed)
+        return
     results = bench(make_methods(args), engine, ctx, tasks, args.repeats, args.seed)
     print_table(results)
     print(f"(wall s: best of {args.repeats} runs per method, the methods taking turns)")
@@ -366,8 +374,6 @@ def main() -> None:
             for r in results[1:]
         )
     )
-    m, n, iters, t = (int(x) for x in args.eptree.split(","))
-    settings = [(m, n, iters, t), (4, 1, 1, 1), (2, 2, 1, 2), (2, 2, 2, 1)]
     theorem1_table(engine, ctx, tasks, settings, args.eptree_continuation, args.seed)
 
 
