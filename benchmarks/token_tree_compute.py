@@ -12,11 +12,10 @@ budget, next to TreeRL's Theorem 1. The theorem assumes fixed generation lengths
 continuation forked at relative position x runs for the remaining 1 - x), so EPTree runs with
 `continuation: remaining` by default (`--eptree-continuation full` gives every continuation the
 whole `max_tokens`, as the released code does): no leaf is longer than the response it forks
-from. Responses still end early at EOS, which the theorem does not model, and fork points need
-not be uniform along a response, so the table also shows the mean continuation length relative
-to a chain (the theorem's E[1 - x] = 1/2 for one iteration) and, for one iteration, the
-theorem's ratio with that measured value in its place (`@cont`). Independent chains are as long
-as EPTree's own first chains, which are independent samples of the same policy.
+from. Independent chains are as long as EPTree's own first chains, which are independent
+samples of the same policy. With one iteration the measured ratio is then (1 + NT) / (1 + NT c),
+c the mean continuation length over the chain length (`cont/chain`); the theorem's uniform fork
+points give c = 1/2, so c shows how far a real policy's fork points are from that assumption.
 
 The default policy is the env's tiny policy, briefly fine-tuned on the env's well-formed
 answers (`--warmup-steps`) so that its next-token distributions have the peaks and forks of a
@@ -237,7 +236,7 @@ def theorem1_table(
     )
     head = (
         f"{'(M,N,L,T)':<14}{'leaves':>8}{'tokens':>9}{'chain len':>10}{'cont/chain':>11}"
-        f"{'chains@=tok':>12}{'ratio':>8}{'Thm 1':>8}{'@cont':>8}  bounds [{low:.3f}, {high:.3f})"
+        f"{'chains@=tok':>12}{'ratio':>8}{'Thm 1':>8}  bounds [{low:.3f}, {high:.3f})"
     )
     print(head)
     print("-" * len(head))
@@ -259,10 +258,6 @@ def theorem1_table(
         chains = tokens / chain_len
         theory = theorem1_ratio(n, t, iters)
         shown = f"{theory:>8.3f}" if theory is not None else f"{'-':>8}"
-        # the l = 1 formula with the measured E[1 - x] in place of the uniform 1/2: what is left
-        # of the gap is not the fork-position assumption
-        at_cont = (1 + n * t) / (1 + n * t * cont_len / chain_len) if iters == 1 else None
-        shown += f"{at_cont:>8.3f}" if at_cont is not None else f"{'-':>8}"
         print(
             f"{(m, n, iters, t)!s:<14}{leaves:>8.1f}{tokens:>9.1f}{chain_len:>10.1f}"
             f"{cont_len / chain_len:>11.3f}{chains:>12.2f}{leaves / chains:>8.3f}{shown}"
