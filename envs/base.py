@@ -153,8 +153,13 @@ class Env(gymnasium.Env):
 
     # -- helpers for tooling ----------------------------------------------------------------
     def example_actions(self) -> list[str]:
-        """A few well-formed actions, used by `check_env` and to build tiny tokenizers."""
-        return [self.action_space.sample() for _ in range(4)] if self.action_space else []
+        """A few well-formed actions, used by `check_env` and to build tiny tokenizers.
+
+        The default samples `action_space` when the env defines one (gymnasium leaves it
+        unset on text envs), else returns none: agentree then asks for them where it needs them.
+        """
+        space = getattr(self, "action_space", None)
+        return [str(space.sample()) for _ in range(4)] if space is not None else []
 
     def corpus(self, tasks: Sequence[Task]) -> list[str]:
         """Representative text (observations and actions) for training a tiny tokenizer."""
@@ -317,7 +322,8 @@ def check_env(
     acts = list(actions) if actions is not None else list(env.example_actions())
     if not acts:
         raise EnvCheckError(
-            "check_env needs actions: pass actions=[...] or implement example_actions()"
+            "check_env needs sample actions: pass actions=[...] or implement "
+            f"{type(env).__name__}.example_actions()"
         )
     problems: list[str] = []
 
