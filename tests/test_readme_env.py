@@ -51,8 +51,7 @@ def test_check_env_without_actions_names_the_method_to_add(readme_pkg):
     with pytest.raises(EnvCheckError) as e:
         check_env(GuessEnv())
     assert str(e.value) == (
-        "check_env needs sample actions: pass actions=[...] or implement "
-        "GuessEnv.example_actions()"
+        "check_env needs sample actions: pass actions=[...] or implement GuessEnv.example_actions()"
     )
 
 
