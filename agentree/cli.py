@@ -133,19 +133,21 @@ def _write_config(cfg, run_dir: Path) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentree.config import read_config_file, validate_config
+    from agentree.resume import resume_config
 
     console = _console()
     if args.resume:
         if not args.output:
             raise ValueError("--resume needs --output DIR of the run to continue")
-        saved = Path(args.output) / "config.yaml"
-        if not saved.exists():
-            raise ValueError(f"{saved} not found: {args.output} is not an agentree run directory")
-        data = read_config_file(str(saved))
-        if args.steps is not None:
-            data.setdefault("train", {})["steps"] = args.steps
-        cfg = validate_config(data)
+        select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy", "tasks")}
+        cfg = resume_config(
+            Path(args.output),
+            config=args.config,
+            select=select,
+            overrides=args.set,
+            steps=args.steps,
+            log=console.print,
+        )
     else:
         cfg = _load(args)
     run_dir = _run_dir(cfg, cfg.rollout["name"])
@@ -154,6 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
     _write_config(cfg, run_dir)
 
+    from agentree.checkpoint import latest_checkpoint
     from agentree.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -164,8 +167,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     trainer = Trainer(cfg, run_dir, log=console.print)
     try:
+        trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
         if args.resume and trainer.resume():
-            console.print(f"resumed at step {trainer.step}")
+            ckpt = latest_checkpoint(run_dir)
+            console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
+        elif args.resume:
+            console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
         progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -191,14 +198,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                 progress.update(bar, completed=step, status=status)
 
             history = trainer.fit(on_step)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         ckpt = trainer.save()
+        by = f" by {stop.args[0]}" if stop.args else ""
         console.print(
-            f"[yellow]interrupted at step {trainer.step}[/]; checkpoint {ckpt}. "
+            f"[yellow]interrupted{by} at step {trainer.step}[/]; checkpoint {ckpt}. "
             f"Continue with: agentree train --output {run_dir} --resume"
         )
         return EXIT_INTERRUPTED
     finally:
+        trainer.stop.uninstall()
         trainer.rt.close()
     before = history.get("eval_before", {}).get("eval/success_rate")
     after = history["eval_after"]["eval/success_rate"]

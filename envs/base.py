@@ -133,7 +133,12 @@ class Env(gymnasium.Env):
                 '{"id": "...", "seed": 1, "options": {...}}, got keys '
                 f"{sorted(record) if isinstance(record, dict) else type(record).__name__}"
             )
-        return Task(str(record["id"]), record.get("seed"), dict(record.get("options") or {}))
+        seed, options = record.get("seed"), record.get("options")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f'"seed" must be an integer or null, got {seed!r}')
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f'"options" must be a mapping of reset options, got {options!r}')
+        return Task(str(record["id"]), seed, dict(options or {}))
 
     @classmethod
     def prepare_tasks(
@@ -174,6 +179,17 @@ class Env(gymnasium.Env):
                 if term or trunc:
                     break
         return texts
+
+
+def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
+    """`env.reset` for `task`; whatever goes wrong becomes one `ValueError` naming the task."""
+    try:
+        return env.reset(seed=task.seed, options=task.options)
+    except Exception as e:
+        raise ValueError(
+            f"task {task.id} ({_preview(task.to_dict())}) could not be reset: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 ScriptedPolicy = Callable[[Task, list[tuple[str, str]]], str]
