@@ -187,7 +187,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "train", total=cfg.train.steps, completed=trainer.step, status=""
             )
 
+            actions = [0, 0]  # well-formed, judged
+
             def on_step(step: int, m: dict[str, float]) -> None:
+                actions[0] += int(m.get("rollout/actions_well_formed", 0))
+                actions[1] += int(m.get("rollout/actions_judged", 0))
                 status = (
                     f"success {100 * m.get('train/success_rate', 0):.0f}% "
                     f"reward {m.get('train/reward_mean', 0):.2f} "
@@ -219,6 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"({100 * (after - before):+.1f} points)"
         )
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
+    _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
@@ -226,6 +231,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # -- rollout ------------------------------------------------------------------------------------
 def cmd_rollout(args: argparse.Namespace) -> int:
+    from agentree.rollout.base import action_format
     from agentree.runtime import Runtime
 
     if not args.output:
@@ -255,14 +261,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             wins += rt.success(tree, t)
             n += 1
     d = stats.to_dict()
+    well, judged = action_format(trees)
     d.update({"tasks": len(trees), "success_rate": wins / max(n, 1)})
+    d["well_formed_actions"] = well / judged if judged else None
     (run_dir / "rollout_stats.json").write_text(json.dumps(d, indent=1))
     console.print(
         f"{d['trajectories']} trajectories, {d['env_steps']} env steps, {d['forks']} forks, "
         f"{d['policy_tokens_generated']} tokens generated, {d['policy_tokens_prefilled']} "
         f"prefilled, success {100 * d['success_rate']:.1f}%, {d['wall_s']:.1f}s"
     )
+    _print_action_format(console, well, judged)
     return 0
+
+
+def _print_action_format(console: Any, well: int, judged: int) -> None:
+    from agentree.rollout.base import describe_action_format
+
+    line = describe_action_format(well, judged)
+    if line is not None:
+        console.print(f"[yellow]{line}[/]" if not well else line)
 
 
 # -- eval ---------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Task
 from agentree.resume import StopSignals, trim_metrics
-from agentree.rollout.base import RolloutStats
+from agentree.rollout.base import RolloutStats, action_format
 from agentree.runtime import Runtime, evaluate
 from agentree.tree import Trajectory, Tree, save_trees
 from agentree.update import PolicyUpdate
@@ -191,6 +191,8 @@ class Trainer:
         m["train/turns_mean"] = sum(t.num_turns for t in flat) / n
         m["train/response_tokens_mean"] = sum(t.num_policy_tokens for t in flat) / n
         m["train/pruned_frac"] = sum(t.pruned for t in flat) / n
+        well, judged = action_format(trees)
+        m["rollout/actions_judged"], m["rollout/actions_well_formed"] = judged, well
         return m
 
     # -- update ------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ class Env(gymnasium.Env):
     Info keys agentree reads: `action_key` (canonical form of the parsed action; repeated-action
     pruning compares these, default: the stripped action text), `success` (episode solved;
     default: reward >= 1), `prediction` (a SWE-bench style prediction dict, written to
-    predictions.jsonl by `agentree eval`).
+    predictions.jsonl by `agentree eval`), `format_error` (True when the action could not be
+    parsed into a well-formed action, False when it could; summaries report the well-formed
+    fraction and warn when it is zero).
     """
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig

@@ -158,7 +158,7 @@ class SWEEnv(Env):
                 obs = render("swe/format_error.txt", count=len(commands), sentinel=SENTINEL)
                 return self._after_action(obs, info)
             command = commands[0]
-            info["action_key"] = action_key(command)
+            info.update(action_key=action_key(command), format_error=False)
             if is_submit(command):
                 return self._finish(info, truncated=False)
             res = self._sandbox.exec(

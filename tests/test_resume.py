@@ -27,6 +27,8 @@ from agentree.resume import trim_metrics
 STEPS = 3
 ARGS = [
     "train",
+    "--rollout",
+    "grpo",
     "--steps",
     str(STEPS),
     "--set",
@@ -44,7 +46,7 @@ ARGS = [
     "--set",
     "env.max_turns=2",
     "--set",
-    "rollout.K=2",
+    "rollout.G=2",
 ]
 
 LAUNCHER = textwrap.dedent(
@@ -62,10 +64,14 @@ LAUNCHER = textwrap.dedent(
     FLAG = Path(os.environ["PROBE_FLAG"])
 
 
-    def pause():
+    def pause():  # until the test has sent its signal (a held SIGTERM does not end a sleep)
         if not FLAG.exists():
             FLAG.write_text(AT)
-            time.sleep(120)
+            go = FLAG.with_suffix(".go")
+            for _ in range(1200):
+                if go.exists():
+                    break
+                time.sleep(0.1)
 
 
     rollout, update = agentree.runtime.Runtime.rollout, agentree.update.PolicyUpdate.__call__
@@ -123,6 +129,7 @@ def _kill_during(tmp_path: Path, at: str, step: int, sig: int) -> tuple[Path, in
             pytest.fail(f"training never reached the {at} pause:\n{proc.communicate()[0]}")
         time.sleep(0.1)
     proc.send_signal(sig)
+    flag.with_suffix(".go").write_text("")
     out, _ = proc.communicate(timeout=150)
     return run, proc.returncode, _flat(out)
 
