@@ -98,6 +98,7 @@ def resume_config(
             f"{'that flag' if len(conflicts) == 1 else 'those flags'}, or start a new run "
             "with another --output"
         )
+    saved.output = str(run_dir)  # the directory may have moved since it was saved
     if steps is not None and steps != saved.train.steps:
         log(f"--steps {steps} overrides train.steps={saved.train.steps} of the saved run")
         data = saved.model_dump()
