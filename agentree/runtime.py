@@ -90,10 +90,11 @@ class Runtime:
         """Trees for `tasks`; not a single trajectory among them is an error saying why."""
         trees, stats = self.controller.rollout(tasks, self.context(step=step, progress=progress))
         if trees and not any(self.controller.group(tree) for tree in trees):
-            raise ValueError(f"no trajectory could be produced: {self._why_empty(trees)}")
+            raise ValueError(f"no trajectory could be produced: {self.why_empty(trees)}")
         return trees, stats
 
-    def _why_empty(self, trees: Sequence[Tree]) -> str:
+    def why_empty(self, trees: Sequence[Tree]) -> str:
+        """Why `trees` hold not a single trajectory, in words a user can act on."""
         e, model_len = self.cfg.engine, self.engine.max_model_len
         longest = max(trees, key=lambda t: len(t.root.obs_ids) if t.nodes else 0)
         n = len(longest.root.obs_ids) if longest.nodes else 0
@@ -183,6 +184,8 @@ def evaluate(
     ctx = rt.context(temperature=cfg.eval.temperature)
     ctx.rng = random.Random(seed)
     trees, stats = controller.rollout(tasks, ctx)
+    if trees and not any(controller.group(tree) for tree in trees):
+        raise ValueError(f"no trajectory could be produced: {rt.why_empty(trees)}")
     per_task = []
     for tree in trees:
         trajs = controller.group(tree)

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentree.cli import main
 
 FAST = ["--set", "engine.max_tokens=4", "--set", "env.max_turns=2", "--set", "rollout.K=2"]
@@ -80,10 +82,11 @@ def test_judge_without_the_scorers_extra(tmp_path, capsys, monkeypatch):
     )
 
 
-def test_prompt_longer_than_the_context_is_an_error(tmp_path, capsys, tiny_frozenlake):
+@pytest.mark.parametrize("command", ["rollout", "eval"])
+def test_prompt_longer_than_the_context_is_an_error(tmp_path, capsys, tiny_frozenlake, command):
     path = _tasks(tmp_path, {"id": "big", "seed": 1, "options": {"size": 99}})
     out = tmp_path / "o"
-    argv = ["rollout", "--tasks", str(path), "--output", str(out), *FAST]
+    argv = [command, "--tasks", str(path), "--output", str(out), *FAST]
     assert main([*argv, "--set", "engine.max_context=512"]) == 2
     line = _one_line_error(capsys)
     assert line.startswith("no trajectory could be produced: the prompt of task big has ")
