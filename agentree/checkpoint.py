@@ -1,11 +1,14 @@
 """Checkpoints of a run directory: `checkpoints/step_NNNNNN/` holds the weights and tokenizer
 as a Hugging Face checkpoint (so `--policy DIR` loads it) plus `trainer_state.pt` (optimiser,
 reference weights, RNG states, task cursor). A checkpoint is written under a temporary name
-and renamed when complete; `checkpoints/latest` names the newest one.
+and renamed when complete, and a replaced or pruned one is renamed away before it is deleted,
+so every `step_*` directory is complete; `checkpoints/latest` names the newest one and is
+itself replaced atomically. A kill at any point leaves a checkpoint that loads.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,20 +27,35 @@ def save_checkpoint(
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, **state}, tmp / "trainer_state.pt")
-    shutil.rmtree(ckpt, ignore_errors=True)
+    _remove(ckpt)
     tmp.rename(ckpt)
-    (root / "latest").write_text(ckpt.name)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(ckpt.name)
+    os.replace(pointer, root / "latest")
     kept = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in kept[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return ckpt
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a partial `step_*` behind."""
+    if path.exists():
+        trash = path.with_name(f".trash_{path.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.exists():
-        return None
-    return run_dir / "checkpoints" / latest.read_text().strip()
+    """The checkpoint `latest` names; the newest complete one if a kill left it missing."""
+    root = run_dir / "checkpoints"
+    latest = root / "latest"
+    name = latest.read_text().strip() if latest.exists() else ""
+    if name.startswith("step_") and (root / name).is_dir():
+        return root / name
+    done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists())
+    return done[-1] if done else None
 
 
 def load_checkpoint(ckpt: Path, model: Any) -> dict[str, Any]:

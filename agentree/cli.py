@@ -133,19 +133,21 @@ def _write_config(cfg, run_dir: Path) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentree.config import read_config_file, validate_config
+    from agentree.resume import resume_config
 
     console = _console()
     if args.resume:
         if not args.output:
             raise ValueError("--resume needs --output DIR of the run to continue")
-        saved = Path(args.output) / "config.yaml"
-        if not saved.exists():
-            raise ValueError(f"{saved} not found: {args.output} is not an agentree run directory")
-        data = read_config_file(str(saved))
-        if args.steps is not None:
-            data.setdefault("train", {})["steps"] = args.steps
-        cfg = validate_config(data)
+        select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy", "tasks")}
+        cfg = resume_config(
+            Path(args.output),
+            config=args.config,
+            select=select,
+            overrides=args.set,
+            steps=args.steps,
+            log=console.print,
+        )
     else:
         cfg = _load(args)
     run_dir = _run_dir(cfg, cfg.rollout["name"])
@@ -154,6 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
     _write_config(cfg, run_dir)
 
+    from agentree.checkpoint import latest_checkpoint
     from agentree.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -164,8 +167,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     trainer = Trainer(cfg, run_dir, log=console.print)
     try:
+        trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
         if args.resume and trainer.resume():
-            console.print(f"resumed at step {trainer.step}")
+            ckpt = latest_checkpoint(run_dir)
+            console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
+        elif args.resume:
+            console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
         progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -180,7 +187,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "train", total=cfg.train.steps, completed=trainer.step, status=""
             )
 
+            actions = [0, 0]  # well-formed, judged
+
             def on_step(step: int, m: dict[str, float]) -> None:
+                actions[0] += int(m.get("rollout/actions_well_formed", 0))
+                actions[1] += int(m.get("rollout/actions_judged", 0))
                 status = (
                     f"success {100 * m.get('train/success_rate', 0):.0f}% "
                     f"reward {m.get('train/reward_mean', 0):.2f} "
@@ -191,14 +202,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                 progress.update(bar, completed=step, status=status)
 
             history = trainer.fit(on_step)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         ckpt = trainer.save()
+        by = f" by {stop.args[0]}" if stop.args else ""
         console.print(
-            f"[yellow]interrupted at step {trainer.step}[/]; checkpoint {ckpt}. "
+            f"[yellow]interrupted{by} at step {trainer.step}[/]; checkpoint {ckpt}. "
             f"Continue with: agentree train --output {run_dir} --resume"
         )
         return EXIT_INTERRUPTED
     finally:
+        trainer.stop.uninstall()
         trainer.rt.close()
     before = history.get("eval_before", {}).get("eval/success_rate")
     after = history["eval_after"]["eval/success_rate"]
@@ -210,6 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"({100 * (after - before):+.1f} points)"
         )
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
+    _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
@@ -217,6 +231,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # -- rollout ------------------------------------------------------------------------------------
 def cmd_rollout(args: argparse.Namespace) -> int:
+    from agentree.rollout.base import action_format
     from agentree.runtime import Runtime
 
     if not args.output:
@@ -246,14 +261,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             wins += rt.success(tree, t)
             n += 1
     d = stats.to_dict()
+    well, judged = action_format(trees)
     d.update({"tasks": len(trees), "success_rate": wins / max(n, 1)})
+    d["well_formed_actions"] = well / judged if judged else None
     (run_dir / "rollout_stats.json").write_text(json.dumps(d, indent=1))
     console.print(
         f"{d['trajectories']} trajectories, {d['env_steps']} env steps, {d['forks']} forks, "
         f"{d['policy_tokens_generated']} tokens generated, {d['policy_tokens_prefilled']} "
         f"prefilled, success {100 * d['success_rate']:.1f}%, {d['wall_s']:.1f}s"
     )
+    _print_action_format(console, well, judged)
     return 0
+
+
+def _print_action_format(console: Any, well: int, judged: int) -> None:
+    from agentree.rollout.base import describe_action_format
+
+    line = describe_action_format(well, judged)
+    if line is not None:
+        console.print(f"[yellow]{line}[/]" if not well else line)
 
 
 # -- eval ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,7 +87,34 @@ class Runtime:
     def rollout(
         self, tasks: Sequence[Task], *, step: int = 0, progress: Any = None
     ) -> tuple[list[Tree], RolloutStats]:
-        return self.controller.rollout(tasks, self.context(step=step, progress=progress))
+        """Trees for `tasks`; not a single trajectory among them is an error saying why."""
+        trees, stats = self.controller.rollout(tasks, self.context(step=step, progress=progress))
+        if trees and not any(self.controller.group(tree) for tree in trees):
+            raise ValueError(f"no trajectory could be produced: {self.why_empty(trees)}")
+        return trees, stats
+
+    def why_empty(self, trees: Sequence[Tree]) -> str:
+        """Why `trees` hold not a single trajectory, in words a user can act on."""
+        e, model_len = self.cfg.engine, self.engine.max_model_len
+        longest = max(trees, key=lambda t: len(t.root.obs_ids) if t.nodes else 0)
+        n = len(longest.root.obs_ids) if longest.nodes else 0
+        if n > min(e.max_context, model_len) - e.max_tokens:
+            if e.max_context <= model_len:
+                limit, fix = f"engine.max_context={e.max_context}", "raise engine.max_context"
+            else:
+                limit, fix = f"the policy's context of {model_len}", "use a longer-context policy"
+            return (
+                f"the prompt of task {longest.task_id} has {n} tokens, more than {limit} allows "
+                f"with engine.max_tokens={e.max_tokens}; {fix} or shorten the task"
+            )
+        ended = [node for t in trees for node in t.nodes if node.end_reason is not None]
+        reasons = Counter(str(node.end_reason) for node in ended)
+        errors = [node.info["error"] for node in ended if "error" in node.info]
+        detail = f"; first error: {errors[0]}" if errors else ""
+        return (
+            f"every branch of {len(trees)} task(s) ended before the policy acted "
+            f"(end reasons: {dict(reasons)}){detail}"
+        )
 
     @staticmethod
     def success(tree: Tree, traj: Trajectory) -> bool:
@@ -156,6 +184,8 @@ def evaluate(
     ctx = rt.context(temperature=cfg.eval.temperature)
     ctx.rng = random.Random(seed)
     trees, stats = controller.rollout(tasks, ctx)
+    if trees and not any(controller.group(tree) for tree in trees):
+        raise ValueError(f"no trajectory could be produced: {rt.why_empty(trees)}")
     per_task = []
     for tree in trees:
         trajs = controller.group(tree)

@@ -42,7 +42,8 @@ from agentree.batching import Batch, make_batch, token_logprobs
 from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Task
-from agentree.rollout.base import RolloutStats
+from agentree.resume import StopSignals, trim_metrics
+from agentree.rollout.base import RolloutStats, action_format
 from agentree.runtime import Runtime, evaluate
 from agentree.tree import Trajectory, Tree, save_trees
 from agentree.update import PolicyUpdate
@@ -77,6 +78,8 @@ class Trainer:
         self.train_tasks = self.rt.load_tasks(cfg.tasks, split="train")
         self._order: list[int] = []
         self._cursor = 0
+        self.stop = StopSignals()
+        self._step_start: dict[str, Any] | None = None
 
     # -- tasks -------------------------------------------------------------------------------
     def next_tasks(self, n: int) -> list[Task]:
@@ -101,6 +104,8 @@ class Trainer:
             metrics = self.train_step()
             self.step += 1
             self.write_metrics(metrics)
+            self._step_start = None
+            self.stop.release()  # a stop requested during the update takes effect here
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
                 metrics.update(self.evaluate())
             if on_step is not None:
@@ -127,6 +132,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         tc = self.cfg.train
         t0 = time.perf_counter()
+        self._step_start = self._loop_state()  # what a checkpoint holds if the rollout is cut
         trees, trajs, stats, dropped = self._collect()
         t_roll = time.perf_counter() - t0
         metrics = self._rollout_metrics(trees, trajs, stats)
@@ -134,6 +140,7 @@ class Trainer:
         if tc.trees_every and (self.step + 1) % tc.trees_every == 0:
             self.save_trees(trees)
         usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
+        self.stop.hold()  # an interrupted update would checkpoint half-updated weights
         if usable:
             t1 = time.perf_counter()
             metrics.update(self.update([u[0] for u in usable], [u[1] for u in usable]))
@@ -187,6 +194,8 @@ class Trainer:
         m["train/turns_mean"] = sum(t.num_turns for t in flat) / n
         m["train/response_tokens_mean"] = sum(t.num_policy_tokens for t in flat) / n
         m["train/pruned_frac"] = sum(t.pruned for t in flat) / n
+        well, judged = action_format(trees)
+        m["rollout/actions_judged"], m["rollout/actions_well_formed"] = judged, well
         return m
 
     # -- update ------------------------------------------------------------------------------
@@ -207,10 +216,7 @@ class Trainer:
         state = {
             "optimizer": self.opt.state_dict(),
             "ref": None if self.ref is None else self.ref.state_dict(),
-            "rng": self.rng.getstate(),
-            "order": self._order,
-            "cursor": self._cursor,
-            "torch_rng": torch.get_rng_state(),
+            **(self._step_start or self._loop_state()),
         }
         return save_checkpoint(
             self.dir,
@@ -221,10 +227,20 @@ class Trainer:
             keep=self.cfg.train.keep_checkpoints,
         )
 
+    def _loop_state(self) -> dict[str, Any]:
+        return {
+            "rng": self.rng.getstate(),
+            "order": list(self._order),
+            "cursor": self._cursor,
+            "torch_rng": torch.get_rng_state(),
+        }
+
     def resume(self) -> bool:
-        """Load the latest checkpoint of the run directory, if any."""
+        """Load the latest checkpoint of the run directory, if any, and drop the metrics rows
+        written after it (all of them when there is none: the run starts over)."""
         ckpt = latest_checkpoint(self.dir)
         if ckpt is None:
+            trim_metrics(self.dir / "metrics.jsonl", None)
             return False
         state = load_checkpoint(ckpt, self.model)
         self.opt.load_state_dict(state["optimizer"])
@@ -235,6 +251,7 @@ class Trainer:
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
         self.rt.engine.sync_weights(self.model)
+        trim_metrics(self.dir / "metrics.jsonl", self.step)
         return True
 
 

@@ -63,7 +63,9 @@ class Env(gymnasium.Env):
     Info keys agentree reads: `action_key` (canonical form of the parsed action; repeated-action
     pruning compares these, default: the stripped action text), `success` (episode solved;
     default: reward >= 1), `prediction` (a SWE-bench style prediction dict, written to
-    predictions.jsonl by `agentree eval`).
+    predictions.jsonl by `agentree eval`), `format_error` (True when the action could not be
+    parsed into a well-formed action, False when it could; summaries report the well-formed
+    fraction and warn when it is zero).
     """
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig
@@ -133,7 +135,12 @@ class Env(gymnasium.Env):
                 '{"id": "...", "seed": 1, "options": {...}}, got keys '
                 f"{sorted(record) if isinstance(record, dict) else type(record).__name__}"
             )
-        return Task(str(record["id"]), record.get("seed"), dict(record.get("options") or {}))
+        seed, options = record.get("seed"), record.get("options")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f'"seed" must be an integer or null, got {seed!r}')
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f'"options" must be a mapping of reset options, got {options!r}')
+        return Task(str(record["id"]), seed, dict(options or {}))
 
     @classmethod
     def prepare_tasks(
@@ -153,8 +160,13 @@ class Env(gymnasium.Env):
 
     # -- helpers for tooling ----------------------------------------------------------------
     def example_actions(self) -> list[str]:
-        """A few well-formed actions, used by `check_env` and to build tiny tokenizers."""
-        return [self.action_space.sample() for _ in range(4)] if self.action_space else []
+        """A few well-formed actions, used by `check_env` and to build tiny tokenizers.
+
+        The default samples `action_space` when the env defines one (gymnasium leaves it
+        unset on text envs), else returns none: agentree then asks for them where it needs them.
+        """
+        space = getattr(self, "action_space", None)
+        return [str(space.sample()) for _ in range(4)] if space is not None else []
 
     def corpus(self, tasks: Sequence[Task]) -> list[str]:
         """Representative text (observations and actions) for training a tiny tokenizer."""
@@ -169,6 +181,17 @@ class Env(gymnasium.Env):
                 if term or trunc:
                     break
         return texts
+
+
+def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
+    """`env.reset` for `task`; whatever goes wrong becomes one `ValueError` naming the task."""
+    try:
+        return env.reset(seed=task.seed, options=task.options)
+    except Exception as e:
+        raise ValueError(
+            f"task {task.id} ({_preview(task.to_dict())}) could not be reset: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 ScriptedPolicy = Callable[[Task, list[tuple[str, str]]], str]
@@ -317,7 +340,8 @@ def check_env(
     acts = list(actions) if actions is not None else list(env.example_actions())
     if not acts:
         raise EnvCheckError(
-            "check_env needs actions: pass actions=[...] or implement example_actions()"
+            "check_env needs sample actions: pass actions=[...] or implement "
+            f"{type(env).__name__}.example_actions()"
         )
     problems: list[str] = []
 

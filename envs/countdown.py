@@ -307,6 +307,7 @@ class CountdownEnv(Env):
             "reason": reason,
             "detail": detail,
             "action_key": "".join(answer.split()) if answer is not None else "",
+            "format_error": answer is None,
         }
         return "", float(reward), True, False, info
 

@@ -126,7 +126,7 @@ class FrozenLakeEnv(Env):
         truncated = not terminated and self._turn >= self.cfg.max_turns
         self._done = terminated or truncated
         info = self._info(valid=move is not None)
-        info["action_key"] = key
+        info.update(action_key=key, format_error=move is None)
         return obs, reward, bool(terminated), truncated, info
 
     # -- forking ------------------------------------------------------------------------------

@@ -439,6 +439,7 @@ class MathEnv(Env):
             "reason": reason,
             "checked_by": checked_by,
             "action_key": answer if answer is not None else "",
+            "format_error": reason in ("no_boxed", "unclosed_boxed"),
         }
         return "", 1.0 if success else 0.0, True, False, info
 

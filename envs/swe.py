@@ -46,6 +46,8 @@ FORMAT_ERROR_KEY = "<format-error>"
 
 _BLOCK = re.compile(r"```(?:bash|sh|shell)[ \t]*\n(.*?)```", re.S)
 _SUBMIT = re.compile(rf"^\s*echo\s+['\"]?{SENTINEL}['\"]?\s*$")
+_APPLY = re.compile(r"\bgit\s+apply\b|(^|[;&|]\s*)patch\s")
+"""A command line that applies a patch (`git apply`, `patch -p1 ...`)."""
 
 
 class SWEConfig(EnvConfig):
@@ -87,6 +89,7 @@ class SWEState:
     steps: int
     done: bool
     config: tuple
+    apply_error: str = ""
 
 
 class SWEEnv(Env):
@@ -106,6 +109,8 @@ class SWEEnv(Env):
         self._instance: Any = None
         self._steps = 0
         self._done = False
+        self._apply_error = ""
+        """Output of the episode's last patch-applying command that failed (for diagnosis)."""
 
     # -- episode ----------------------------------------------------------------------------
     def reset(
@@ -129,6 +134,7 @@ class SWEEnv(Env):
                 sb.close()
                 raise
             self._sandbox, self._instance, self._steps, self._done = sb, inst, 0, False
+            self._apply_error = ""
         obs = render(
             "swe/instance.txt",
             problem_statement=inst.problem_statement.strip(),
@@ -152,13 +158,16 @@ class SWEEnv(Env):
                 obs = render("swe/format_error.txt", count=len(commands), sentinel=SENTINEL)
                 return self._after_action(obs, info)
             command = commands[0]
-            info["action_key"] = action_key(command)
+            info.update(action_key=action_key(command), format_error=False)
             if is_submit(command):
                 return self._finish(info, truncated=False)
             res = self._sandbox.exec(
                 command, self.config.command_timeout, max_output=self.config.max_output
             )
             info.update(returncode=res.returncode, timed_out=res.timed_out, elapsed=res.elapsed)
+            applying = [ln.strip() for ln in command.splitlines() if _APPLY.search(ln)]
+            if applying and res.returncode != 0:
+                self._apply_error = f"{applying[-1]} (exit {res.returncode}): {res.output[-600:]}"
             if res.output.lstrip().split("\n", 1)[0].strip() == SENTINEL:
                 return self._finish(info, truncated=False)
             if res.timed_out:
@@ -182,6 +191,8 @@ class SWEEnv(Env):
         if self.config.grade:
             grading = self._grade(patch, problem)
             reward = 1.0 if grading["resolved"] else 0.0
+            if self._apply_error and not patch.strip():
+                grading["apply_error"] = self._apply_error  # why the submission is empty
         info.update(
             end="step_limit" if truncated else "submitted",
             success=reward >= 1.0,
@@ -241,7 +252,12 @@ class SWEEnv(Env):
             if self._sandbox is None:
                 raise RuntimeError("call reset() before snapshot()")
             return SWEState(
-                self._sandbox.snapshot(), self._instance, self._steps, self._done, self._key()
+                self._sandbox.snapshot(),
+                self._instance,
+                self._steps,
+                self._done,
+                self._key(),
+                self._apply_error,
             )
 
     def restore(self, state: Any) -> None:
@@ -262,6 +278,7 @@ class SWEEnv(Env):
                 self._close_sandbox()
                 self._sandbox = Sandbox(state.snapshot, cfg)
             self._instance, self._steps, self._done = state.instance, state.steps, state.done
+            self._apply_error = state.apply_error
 
     def close(self) -> None:
         with self._lock:

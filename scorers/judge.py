@@ -170,7 +170,12 @@ class JudgeScorer(Scorer):
 
     def __init__(self, config: JudgeConfig | None = None) -> None:
         super().__init__(config)
-        import openai
+        try:
+            import openai
+        except ImportError:
+            raise ImportError(
+                "the judge scorer needs the openai package: pip install 'agentree[scorers]'"
+            ) from None
 
         cfg = self.config
         self._api_key = os.environ.get(cfg.api_key_env) or "EMPTY"

@@ -490,10 +490,28 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[str
     return device, getattr(torch, dtype)
 
 
+def check_policy_path(path: str | Path) -> None:
+    """A local path that is not a model directory fails here, before transformers reads it as
+    a hub id (a path that does not exist) or asks for a tokenizer converter (an empty dir)."""
+    p = Path(path).expanduser()
+    looks_local = p.is_absolute() or str(path).startswith((".", "~")) or len(p.parts) > 2
+    if not p.exists() and looks_local:
+        raise FileNotFoundError(
+            f"--policy {path} does not exist; pass tiny, a model directory (such as a run's "
+            "checkpoints/step_NNNNNN) or a hub id"
+        )
+    if p.is_dir() and not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"--policy {path} holds no model (no config.json); pass a directory written by "
+            "save_pretrained, such as a run's checkpoints/step_NNNNNN"
+        )
+
+
 def load_policy(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer the ordinary way (`from_pretrained`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_policy_path(path)
     device, torch_dtype = resolve_device_dtype(device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)

@@ -151,3 +151,29 @@ def make_controller(name: str, **kwargs: Any) -> Controller:
         return cls(cls.Config(**kwargs))
     except ValidationError as e:
         raise ValueError(format_validation_error(e, "rollout")) from None
+
+
+def action_format(trees: Sequence[Tree]) -> tuple[int, int]:
+    """(well-formed, judged) actions of `trees`: env steps whose info reports `format_error`,
+    and those where it is False."""
+    well = judged = 0
+    for tree in trees:
+        for node in tree.nodes:
+            error = node.info.get("env", {}).get("format_error")
+            if error is not None:
+                judged += 1
+                well += not error
+    return well, judged
+
+
+def describe_action_format(well: int, judged: int) -> str | None:
+    """The summary line on well-formed actions; None when the env does not judge them."""
+    if not judged:
+        return None
+    if not well:
+        return (
+            f"warning: none of the {judged} actions was well-formed, so the environment never "
+            "acted on one; the policy must produce the env's action format first (e.g. a "
+            "stronger or fine-tuned policy)"
+        )
+    return f"well-formed actions: {100 * well / judged:.1f}% ({well}/{judged})"

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentree.envs.base import Task
+from agentree.envs.base import Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
@@ -42,7 +42,7 @@ def start_trees(tasks: Sequence[Task], ctx: RolloutContext) -> list[Root]:
     roots = []
     try:
         for task in tasks:
-            obs, info = env.reset(seed=task.seed, options=task.options)
+            obs, info = reset_task(env, task)
             prompt = ctx.chat.prompt_ids(obs, env.system_prompt)
             tree = Tree(task.id, task.to_dict())
             tree.add_root(obs, prompt, {"env": info})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentree.engines.base import Completion
-from agentree.envs.base import Env, Task
+from agentree.envs.base import Env, Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats
 from agentree.scorers.base import Score
 from agentree.tree import EndReason, Tree
@@ -108,7 +108,7 @@ class TurnRunner:
 
         def reset(args: tuple[Env, tuple[Task, int]]) -> tuple[str, dict]:
             env, (task, _) = args
-            return env.reset(seed=task.seed, options=task.options)
+            return reset_task(env, task)
 
         results = self._map(reset, list(zip(envs, resets, strict=True)))
         out: list[list[Branch]] = []
@@ -134,7 +134,7 @@ class TurnRunner:
     def add_root_branches(self, tree: Tree, task: Task, n: int) -> list[Branch]:
         """`n` more branches at `tree`'s root, each on a freshly reset env (no fork)."""
         envs = [self._new_env() for _ in range(n)]
-        self._map(lambda e: e.reset(seed=task.seed, options=task.options), envs)
+        self._map(lambda e: reset_task(e, task), envs)
         return [Branch(tree, task, 0, env, list(tree.root.obs_ids)) for env in envs]
 
     # -- forking -----------------------------------------------------------------------------

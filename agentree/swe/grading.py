@@ -91,6 +91,10 @@ def grade(
             res = _judge_r2e(instance, run.output)
         else:
             res = _judge_swebench(instance, run.output)
+        if not patch.strip():  # the tests ran on the untouched repository: nothing was applied
+            res.patch_applied = False
+            if not res.resolved:
+                res.reason = "empty patch: the submission changes nothing; " + res.reason
         res.elapsed = time.monotonic() - start
         res.log_tail = _tail(run.output, 4000)
         return res

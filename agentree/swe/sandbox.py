@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import tarfile
 import threading
 import time
@@ -51,6 +52,19 @@ rc=$?
 kill -9 -1 2>/dev/null
 exit $rc
 """
+
+EXEC_ATTEMPTS = 3
+"""Tries of one command whose container stops under it (restarted in between)."""
+_STOPPED = re.compile(
+    r"is not running|cannot exec in a stopped state|OCI runtime exec failed"
+    r"|^task [0-9a-f]+ not found",
+    re.M,
+)
+
+
+def _container_stopped(text: str) -> bool:
+    """Docker's words for an exec that could not start because the container is stopping."""
+    return bool(_STOPPED.search(text))
 
 
 @dataclass
@@ -104,14 +118,25 @@ class Sandbox:
         with self._lock:
             api = runtime.client().api
             self._pristine = None
-            try:
-                return self._exec(api, command, timeout, max_output)
-            except SandboxError:
-                raise
-            except Exception as e:
-                if "is not running" in str(e) and self._restart(api):
-                    return self._exec(api, command, timeout, max_output)
-                raise self._error(e) from None
+            for attempt in range(EXEC_ATTEMPTS):
+                try:
+                    res = self._exec(api, command, timeout, max_output)
+                except SandboxError:
+                    raise
+                except Exception as e:
+                    if not _container_stopped(str(e)) or attempt == EXEC_ATTEMPTS - 1:
+                        raise self._error(e) from None
+                    self._restart(api)
+                    continue
+                # Docker reports an exec that met a dying container as the exec's own output
+                if not (res.returncode == 126 and _container_stopped(res.output)):
+                    return res
+                if attempt < EXEC_ATTEMPTS - 1:
+                    self._restart(api)
+            raise SandboxError(
+                f"the sandbox container {self._cid and self._cid[:12]} keeps stopping: "
+                f"{res.output.strip()[:300]}"
+            )
 
     def _exec(self, api: Any, command: str, timeout: float, max_output: int) -> ExecResult:
         env = dict(self.config.env)
@@ -162,6 +187,9 @@ class Sandbox:
 
     def _restart(self, api: Any) -> bool:
         """A stopped container keeps its filesystem: start it again and carry on."""
+        with contextlib.suppress(Exception):
+            # a kill may still be under way: let it finish, or start() is a no-op on it
+            api.wait(self.container_id, timeout=5)
         try:
             api.start(self.container_id)
             return True

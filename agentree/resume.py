@@ -1,0 +1,136 @@
+"""Stopping and resuming a training run safely.
+
+- `StopSignals`: SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send before killing a
+  job) both raise `KeyboardInterrupt`, so the caller checkpoints either way. While a step's
+  update is running the signal is held until the step is complete: a checkpoint then never
+  holds weights that are half-way through an update.
+- `resume_config`: `--resume` continues the run exactly as saved in its `config.yaml`; a flag
+  that would change it is an error, except `--steps`, which is logged.
+- `trim_metrics`: drops the `metrics.jsonl` rows written after the checkpoint a run resumes
+  from, so each step appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into `KeyboardInterrupt`, held between `hold()` and `release()`."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Take over SIGINT/SIGTERM (main thread only) until `uninstall()`."""
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.held:
+            self.pending = signum
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def hold(self) -> None:
+        """From here on a stop request waits for `release()`."""
+        self.held = True
+
+    def release(self) -> None:
+        """Act on a stop request that arrived while held."""
+        self.held = False
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def resume_config(
+    run_dir: Path,
+    *,
+    config: str | None,
+    select: dict[str, str | None],
+    overrides: list[str],
+    steps: int | None,
+    log: Callable[[str], None],
+) -> Any:
+    """The saved config of `run_dir`; flags that would change it are an error naming them."""
+    from agentree.config import load_config, validate_config
+
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists():
+        raise ValueError(f"{saved_path} not found: {run_dir} is not an agentree run directory")
+    saved = load_config(str(saved_path))
+    reference = _comparable(saved)
+    flags: list[tuple[str, str, dict[str, str | None], list[str]]] = []
+    if config is not None:
+        flags.append((f"--config {config}", config, {}, []))
+    for key, value in select.items():
+        if value is not None and key != "output":
+            flags.append((f"--{key} {value}", str(saved_path), {key: value}, []))
+    for item in overrides:
+        flags.append((f"--set {item}", str(saved_path), {}, [item]))
+    conflicts = []
+    for text, base, sel, over in flags:
+        try:
+            same = _comparable(load_config(base, select=sel, overrides=over)) == reference
+        except ValueError:
+            same = False
+        if not same:
+            conflicts.append(text)
+    if conflicts:
+        raise ValueError(
+            f"--resume continues the run in {run_dir} with its saved config.yaml, and "
+            f"{', '.join(conflicts)} would change it; drop "
+            f"{'that flag' if len(conflicts) == 1 else 'those flags'}, or start a new run "
+            "with another --output"
+        )
+    saved.output = str(run_dir)  # the directory may have moved since it was saved
+    if steps is not None and steps != saved.train.steps:
+        log(f"--steps {steps} overrides train.steps={saved.train.steps} of the saved run")
+        data = saved.model_dump()
+        data["train"]["steps"] = steps
+        saved = validate_config(data)
+    return saved
+
+
+def _comparable(cfg: Any) -> dict[str, Any]:
+    data = cfg.model_dump()
+    data.pop("output", None)
+    return data
+
+
+def trim_metrics(path: Path, step: int | None) -> int:
+    """Keep the rows of `path` up to checkpoint `step` (none when there is no checkpoint, or
+    it is from before the first step); also drops a last line cut off by a kill. Returns the
+    number of rows dropped. Rewritten atomically."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if step and row.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)
+    return dropped

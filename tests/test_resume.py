@@ -1,0 +1,261 @@
+"""Kill a real `agentree train` process at several points of a step, then `--resume` it.
+
+The training process runs under a small launcher that pauses (sleeps) at one point of a step
+and drops a flag file; the test then sends SIGKILL or SIGTERM while the process sits there.
+Nothing is replaced: the rollout, the update and the checkpoint write all run for real, the
+pause only makes the moment of the kill deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentree.cli import main
+from agentree.resume import trim_metrics
+
+STEPS = 3
+ARGS = [
+    "train",
+    "--rollout",
+    "grpo",
+    "--steps",
+    str(STEPS),
+    "--set",
+    "train.save_every=2",
+    "--set",
+    "train.tasks_per_step=2",
+    "--set",
+    "train.trees_every=0",
+    "--set",
+    "eval.tasks=1",
+    "--set",
+    "eval.samples=1",
+    "--set",
+    "engine.max_tokens=4",
+    "--set",
+    "env.max_turns=2",
+    "--set",
+    "rollout.G=2",
+]
+
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+
+    import torch
+
+    import agentree.runtime
+    import agentree.update
+    from agentree.cli import main
+
+    AT, STEP = os.environ["PROBE_AT"], int(os.environ["PROBE_STEP"])
+    FLAG = Path(os.environ["PROBE_FLAG"])
+
+
+    def pause():  # until the test has sent its signal (a held SIGTERM does not end a sleep)
+        if not FLAG.exists():
+            FLAG.write_text(AT)
+            go = FLAG.with_suffix(".go")
+            for _ in range(1200):
+                if go.exists():
+                    break
+                time.sleep(0.1)
+
+
+    rollout, update = agentree.runtime.Runtime.rollout, agentree.update.PolicyUpdate.__call__
+    save = torch.save
+    calls = []
+
+
+    def paused_rollout(self, tasks, *, step=0, progress=None):
+        out = rollout(self, tasks, step=step, progress=progress)  # the rollout ran; still inside it
+        if AT == "rollout" and step == STEP:
+            pause()
+        return out
+
+
+    def paused_update(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)  # weights updated, the step not finished yet
+        calls.append(1)
+        if AT == "update" and len(calls) == STEP + 1:
+            pause()
+        return out
+
+
+    def paused_save(obj, path, *args, **kwargs):
+        # weights and tokenizer are written, trainer_state.pt not yet
+        if AT == "save" and Path(path).parent.name == f".tmp_step_{STEP:06d}":
+            pause()
+        return save(obj, path, *args, **kwargs)
+
+
+    agentree.runtime.Runtime.rollout = paused_rollout
+    agentree.update.PolicyUpdate.__call__ = paused_update
+    torch.save = paused_save
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def _kill_during(tmp_path: Path, at: str, step: int, sig: int) -> tuple[Path, int, str]:
+    run = tmp_path / "run"
+    flag = tmp_path / "flag"
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    env = {**os.environ, "PROBE_AT": at, "PROBE_STEP": str(step), "PROBE_FLAG": str(flag)}
+    proc = subprocess.Popen(
+        [sys.executable, str(launcher), *ARGS, "--output", str(run)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 150
+    while not flag.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"training never reached the {at} pause:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    flag.with_suffix(".go").write_text("")
+    out, _ = proc.communicate(timeout=150)
+    return run, proc.returncode, _flat(out)
+
+
+def _flat(text: str) -> str:
+    """Text without whitespace: the console wraps long lines, even inside paths."""
+    return "".join(text.split())
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_steps(rows: list[dict]) -> list[int]:
+    return [r["step"] for r in rows if "train/loss" in r]
+
+
+def _eval_steps(rows: list[dict]) -> list[int]:
+    return [r["step"] for r in rows if "eval/success_rate" in r]
+
+
+# (signal, where the process is, the step index it is in, the checkpoint --resume must use)
+CASES = [
+    (signal.SIGKILL, "rollout", 1, None),  # before the first checkpoint: nothing to resume
+    (signal.SIGKILL, "update", 2, 2),
+    (signal.SIGKILL, "save", 3, 2),  # the last write is cut; rows of step 3 must go
+    (signal.SIGTERM, "rollout", 2, 2),  # SIGTERM checkpoints like Ctrl-C
+    (signal.SIGTERM, "update", 1, 2),  # the update finishes its step before the checkpoint
+    (signal.SIGTERM, "save", 2, 2),  # the cut write is redone by the interrupt handler
+]
+
+
+@pytest.mark.parametrize(
+    ("sig", "at", "step", "resume_from"),
+    CASES,
+    ids=[f"{signal.Signals(c[0]).name}-{c[1]}" for c in CASES],
+)
+def test_kill_and_resume(tmp_path, tiny_frozenlake, capsys, sig, at, step, resume_from):
+    run, rc, out = _kill_during(tmp_path, at, step, sig)
+    if sig == signal.SIGKILL:
+        assert rc == -signal.SIGKILL
+    else:
+        assert rc == 130, out
+        assert _flat(f"interrupted by SIGTERM at step {resume_from}") in out
+        assert _flat(f"Continue with: agentree train --output {run} --resume") in out
+    if at == "save":
+        assert (run / "checkpoints" / f".tmp_step_{step:06d}").exists() or sig == signal.SIGTERM
+    config_before = (run / "config.yaml").read_text()
+
+    ckpt = latest_checkpoint(run)
+    if resume_from is None:
+        assert ckpt is None  # a half-written checkpoint is never picked up
+    else:
+        assert ckpt == run / "checkpoints" / f"step_{resume_from:06d}"
+
+    assert main(["train", "--output", str(run), "--resume"]) == 0
+    err = _flat(capsys.readouterr().err)
+    if resume_from is None:
+        assert _flat(f"nothing to resume in {run} (no checkpoint yet): starting at step 0") in err
+    else:
+        assert _flat(f"resuming from step {resume_from} (checkpoint {ckpt})") in err
+    rows = _rows(run)
+    assert _train_steps(rows) == list(range(1, STEPS + 1))
+    assert _eval_steps(rows) == [0, STEPS]
+    assert (run / "config.yaml").read_text() == config_before
+    state = torch.load(latest_checkpoint(run) / "trainer_state.pt", weights_only=False)
+    assert state["step"] == STEPS
+
+
+def test_latest_pointer_missing_target_falls_back(tmp_path, tiny_frozenlake):
+    """A kill between replacing a checkpoint and re-pointing `latest` still resumes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_frozenlake)
+    tok = AutoTokenizer.from_pretrained(tiny_frozenlake)
+    save_checkpoint(tmp_path, 1, model, tok, {}, keep=3)
+    save_checkpoint(tmp_path, 2, model, tok, {}, keep=3)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "step_000002"
+    (root / "step_000002").rename(root / ".trash_step_000002")
+    assert latest_checkpoint(tmp_path) == root / "step_000001"
+    assert load_checkpoint(latest_checkpoint(tmp_path), model)["step"] == 1
+
+
+def test_trim_metrics_keeps_rows_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/x": 1}, {"step": 1}, {"step": 2}, {"step": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "tra')
+    assert trim_metrics(path, 2) == 2  # step 3 and the line cut off by a kill
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2]
+    assert trim_metrics(path, None) == 3
+    assert path.read_text() == ""
+
+
+def _saved_run(tmp_path: Path) -> Path:
+    from agentree.config import load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(overrides=["train.steps=6"]).to_yaml())
+    return run
+
+
+def test_resume_rejects_flags_that_change_the_run(tmp_path, capsys):
+    run = _saved_run(tmp_path)
+    argv = ["train", "--output", str(run), "--resume", "--set", "train.lr=abc", "--env", "nosuch"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"agentree: error: --resume continues the run in {run} with its saved config.yaml, and "
+        "--env nosuch, --set train.lr=abc would change it; drop those flags, or start a new run "
+        "with another --output"
+    )
+
+
+def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
+    from agentree.resume import resume_config
+
+    run = _saved_run(tmp_path)
+    logged: list[str] = []
+    cfg = resume_config(
+        run,
+        config=None,
+        select={"env": "frozenlake", "rollout": None},
+        overrides=["train.lr=0.001", "train.eps_high=0.28"],
+        steps=8,
+        log=logged.append,
+    )
+    assert cfg.train.steps == 8
+    assert logged == ["--steps 8 overrides train.steps=6 of the saved run"]

@@ -1,0 +1,96 @@
+"""Bad inputs a new user makes: each is one line on stderr saying what is wrong and what to do."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentree.cli import main
+
+FAST = ["--set", "engine.max_tokens=4", "--set", "env.max_turns=2", "--set", "rollout.K=2"]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1
+    line = err[-1]
+    assert line.startswith("agentree: error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return line.removeprefix("agentree: error: ")
+
+
+def _tasks(tmp_path: Path, *records: dict) -> Path:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_task_seed_that_is_not_an_integer(tmp_path, capsys, tiny_frozenlake):
+    path = _tasks(tmp_path, {"id": "a", "seed": "x"})
+    assert main(["rollout", "--tasks", str(path), "--output", str(tmp_path / "o"), *FAST]) == 2
+    assert _one_line_error(capsys) == (
+        f'{path}: record 1 ({{"id": "a", "seed": "x"}}): "seed" must be an integer or null, '
+        "got 'x'"
+    )
+
+
+def test_task_options_that_are_not_a_mapping(tmp_path, capsys, tiny_frozenlake):
+    path = _tasks(tmp_path, {"id": "a", "seed": 1, "options": [4]})
+    assert main(["rollout", "--tasks", str(path), "--output", str(tmp_path / "o"), *FAST]) == 2
+    assert _one_line_error(capsys) == (
+        f'{path}: record 1 ({{"id": "a", "seed": 1, "options": [4]}}): "options" must be a '
+        "mapping of reset options, got [4]"
+    )
+
+
+def test_bad_option_value_names_the_task(tmp_path, capsys, tiny_frozenlake):
+    path = _tasks(tmp_path, {"id": "a", "seed": 1, "options": {"size": "abc"}})
+    assert main(["rollout", "--tasks", str(path), "--output", str(tmp_path / "o"), *FAST]) == 2
+    assert _one_line_error(capsys) == (
+        'task a ({"id": "a", "seed": 1, "options": {"size": "abc"}}) could not be reset: '
+        "ValueError: invalid literal for int() with base 10: 'abc'"
+    )
+
+
+def test_policy_path_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    assert main(["rollout", "--policy", str(missing), "--output", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == (
+        f"--policy {missing} does not exist; pass tiny, a model directory (such as a run's "
+        "checkpoints/step_NNNNNN) or a hub id"
+    )
+
+
+def test_policy_directory_without_a_model(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["rollout", "--policy", str(empty), "--output", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == (
+        f"--policy {empty} holds no model (no config.json); pass a directory written by "
+        "save_pretrained, such as a run's checkpoints/step_NNNNNN"
+    )
+
+
+def test_judge_without_the_scorers_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # what an install without the extra has
+    assert main(["rollout", "--scorer", "judge", "--output", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == (
+        "the judge scorer needs the openai package: pip install 'agentree[scorers]'"
+    )
+
+
+@pytest.mark.parametrize("command", ["rollout", "eval"])
+def test_prompt_longer_than_the_context_is_an_error(tmp_path, capsys, tiny_frozenlake, command):
+    path = _tasks(tmp_path, {"id": "big", "seed": 1, "options": {"size": 99}})
+    out = tmp_path / "o"
+    argv = [command, "--tasks", str(path), "--output", str(out), *FAST]
+    assert main([*argv, "--set", "engine.max_context=512"]) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("no trajectory could be produced: the prompt of task big has ")
+    assert line.endswith(
+        " tokens, more than engine.max_context=512 allows with engine.max_tokens=4; raise "
+        "engine.max_context or shorten the task"
+    )
