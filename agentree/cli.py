@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -177,7 +178,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             console=console,
             transient=False,
         )
-        with progress:
+        # Without a terminal (CI logs, nohup) a live bar shows nothing until the end: print
+        # one plain line per step instead.
+        live = console.is_terminal
+        with progress if live else contextlib.nullcontext():
             bar = progress.add_task(
                 "train", total=cfg.train.steps, completed=trainer.step, status=""
             )
@@ -190,7 +194,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"group {m.get('train/group_size', 0):.1f} "
                     f"{m.get('time/step_s', 0):.1f}s/step"
                 )
-                progress.update(bar, completed=step, status=status)
+                if live:
+                    progress.update(bar, completed=step, status=status)
+                else:
+                    print(f"step {step}/{cfg.train.steps} {status}", file=sys.stderr, flush=True)
 
             history = trainer.fit(on_step)
     except KeyboardInterrupt:
@@ -201,6 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         return EXIT_INTERRUPTED
     finally:
+        trainer.tracker.close()
         trainer.rt.close()
     before = history.get("eval_before", {}).get("eval/success_rate")
     after = history["eval_after"]["eval/success_rate"]

@@ -41,6 +41,7 @@ from agentree.config import ExperimentConfig
 from agentree.envs.base import Task
 from agentree.rollout.base import RolloutStats
 from agentree.runtime import Runtime, evaluate
+from agentree.tracking import Tracker
 from agentree.tree import Trajectory, Tree, save_trees
 from agentree.update import PolicyUpdate
 
@@ -74,6 +75,7 @@ class Trainer:
         self.train_tasks = self.rt.load_tasks(cfg.tasks, split="train")
         self._order: list[int] = []
         self._cursor = 0
+        self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
 
     # -- tasks -------------------------------------------------------------------------------
     def next_tasks(self, n: int) -> list[Task]:
@@ -106,6 +108,7 @@ class Trainer:
                 self.save()
         history["eval_after"] = self.evaluate()
         self.save()
+        self.tracker.close()
         return history
 
     def evaluate(self, log: bool = True) -> dict[str, float]:
@@ -196,6 +199,7 @@ class Trainer:
         row = {"step": self.step, "time": round(time.time(), 3), **metrics}
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.tracker.log(row)
 
     def save_trees(self, trees: list[Tree]) -> None:
         save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")
