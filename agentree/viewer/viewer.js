@@ -144,7 +144,7 @@
     if (n.score !== null && n.score !== undefined) {
       el("svg:text", { class: "lbl score", x: 12, y: -6 }, g, `s ${fmt(n.score)}`);
     } else if (latr && latr.p !== undefined) {
-      el("svg:text", { class: "lbl score", x: 12, y: -6 }, g, `p ${fmt(latr.p)}`);
+      el("svg:text", { class: "lbl score", x: 12, y: -6 }, g, `p ${fmt(latr.p, 3)}`);
     }
     if (state.collapsed.has(key(tree, n.id)) && n.children.length) {
       el("svg:text", { class: "badge", x: -8, y: 24 }, g, `+${hiddenCount(tree, n.id)}`);
@@ -465,7 +465,7 @@
       ["policy tokens", n.tokens],
       ["sum log-prob", n.logprob === null ? null : fmt(n.logprob, 3)],
       ["observation tokens", n.obs_tokens],
-      ["children", n.children.length ? n.children.join(", ") : "none"],
+      ["child nodes", n.children.length ? n.children.join(", ") : "none"],
       ["expanded into", n.info.expanded !== undefined ? `${n.info.expanded} children` : undefined],
       ["finish", n.info.finish],
     ]);
