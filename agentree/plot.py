@@ -124,7 +124,7 @@ def plot_runs(runs: Sequence[str], output: str | Path, *, smooth: int = 1) -> di
         ax.set_xlabel("step", fontsize=9)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
-        if "success" in key or "frac" in key:
+        if "success" in key:
             ax.set_ylim(-0.02, 1.02)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
