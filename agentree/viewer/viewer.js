@@ -17,6 +17,7 @@
     ["plain", "turn (not scored)", "small", ""],
     ["root", "root (prompt)", "square", ""],
   ];
+  const TOKEN_TREES = new Set(["latr", "treepo", "eptree"]);
   const SHORT = {
     completed: "done",
     max_turns: "max turns",
@@ -75,8 +76,13 @@
   }
 
   // -- layout -------------------------------------------------------------------------------
+  function slotWidth(tree) {
+    return TOKEN_TREES.has(tree.meta.controller) ? 118 : DX; // room for segment text
+  }
+
   function layout(tree) {
     const nodes = tree.nodes;
+    const dx = slotWidth(tree);
     const pos = new Map();
     let slot = 0;
     let maxDepth = 0;
@@ -85,7 +91,7 @@
       maxDepth = Math.max(maxDepth, depth);
       const kids = state.collapsed.has(key(tree, id)) ? [] : n.children;
       if (!kids.length) {
-        pos.set(id, { x: slot++ * DX, y: depth * DY });
+        pos.set(id, { x: slot++ * dx, y: depth * DY });
         return;
       }
       for (const c of kids) visit(c, depth + 1);
@@ -94,7 +100,7 @@
     }
     // iterative-safe for the depths we see (<= a few hundred turns)
     visit(0, 0);
-    return { pos, width: Math.max(slot - 1, 0) * DX, height: maxDepth * DY };
+    return { pos, width: Math.max(slot - 1, 0) * dx, height: maxDepth * DY };
   }
   const key = (tree, id) => `${tree.file}#${id}`;
 
@@ -146,6 +152,12 @@
     } else if (latr && latr.p !== undefined) {
       el("svg:text", { class: "lbl score", x: 12, y: -6 }, g, `p ${fmt(latr.p, 3)}`);
     }
+    if (TOKEN_TREES.has(tree.meta.controller) && n.action) {
+      // token-level trees: the segment's text tells the branches apart
+      const text = JSON.stringify(n.action);
+      el("svg:text", { class: "lbl seg", x: 12, y: 8 }, g,
+        text.length > 13 ? text.slice(0, 12) + "…" : text);
+    }
     if (state.collapsed.has(key(tree, n.id)) && n.children.length) {
       el("svg:text", { class: "badge", x: -8, y: 24 }, g, `+${hiddenCount(tree, n.id)}`);
       return;
@@ -165,7 +177,8 @@
 
   function drawTree(tree, ti, card) {
     const { pos, width, height } = layout(tree);
-    const cw = width + 2 * PAD + DX;
+    const dx = slotWidth(tree);
+    const cw = width + 2 * PAD + dx;
     const ch = height + 2 * PAD + 40;
     const svg = el("svg:svg", { class: "canvas" }, card);
     const avail = Math.max(card.clientWidth || 900, 300);
@@ -174,7 +187,7 @@
     const g = el("svg:g", {}, svg);
     const edges = el("svg:g", {}, g);
     const layer = el("svg:g", {}, g);
-    const ox = PAD + DX / 2;
+    const ox = PAD + dx / 2;
     const oy = PAD;
     for (const n of tree.nodes) {
       if (!pos.has(n.id)) continue;
@@ -190,7 +203,7 @@
       }
       drawNode(layer, tree, n, { x: p.x + ox, y: p.y + oy }, ti);
     }
-    const view = { tree, svg, g, pos, zoom: { k: scale, x: 0, y: 0 }, cw, ch };
+    const view = { tree, svg, g, pos, zoom: { k: scale, x: 0, y: 0 }, cw, ch, ox };
     if (cw * scale < avail) view.zoom.x = (avail - cw * scale) / 2;
     applyZoom(view);
     enablePanZoom(view);
@@ -255,7 +268,7 @@
     if (!p) return;
     const w = v.svg.clientWidth || 800;
     const h = v.svg.clientHeight || 400;
-    v.zoom.x = w / 2 - (p.x + PAD + DX / 2) * v.zoom.k;
+    v.zoom.x = w / 2 - (p.x + v.ox) * v.zoom.k;
     v.zoom.y = h / 2 - (p.y + PAD) * v.zoom.k;
     applyZoom(v);
   }
