@@ -144,6 +144,8 @@
     if (mark) el("svg:text", { class: "mark" }, g, mark);
     const title = [`node ${n.id}`, n.end_reason || n.kind];
     if (n.score !== null) title.push(`score ${fmt(n.score)}`);
+    if (n.kind !== "root") title.push(`reward ${fmt(n.reward)}`);
+    if (n.advantage !== null && n.advantage !== undefined) title.push(`A ${signed(n.advantage)}`);
     el("svg:title", {}, g, title.join(" · "));
     // labels: score (or branch-token probability) to the right, outcome below leaves
     const latr = n.info && n.info.latr;
