@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -70,6 +71,8 @@ def _command_hooks() -> list[Callable[[Any], None]]:
     for module, name in (
         ("agentree.serve", "add_serve_command"),
         ("agentree.swe.cli", "add_swe_commands"),
+        ("agentree.view", "add_view_command"),
+        ("agentree.plot", "add_plot_command"),
     ):
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             hooks.append(getattr(importlib.import_module(module), name))
@@ -182,7 +185,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             console=console,
             transient=False,
         )
-        with progress:
+        # Without a terminal (CI logs, nohup) a live bar shows nothing until the end: print
+        # one plain line per step instead.
+        live = console.is_terminal
+        with progress if live else contextlib.nullcontext():
             bar = progress.add_task(
                 "train", total=cfg.train.steps, completed=trainer.step, status=""
             )
@@ -199,7 +205,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"group {m.get('train/group_size', 0):.1f} "
                     f"{m.get('time/step_s', 0):.1f}s/step"
                 )
-                progress.update(bar, completed=step, status=status)
+                if live:
+                    progress.update(bar, completed=step, status=status)
+                else:
+                    print(f"step {step}/{cfg.train.steps} {status}", file=sys.stderr, flush=True)
 
             history = trainer.fit(on_step)
     except KeyboardInterrupt as stop:
@@ -212,6 +221,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         trainer.stop.uninstall()
+        trainer.tracker.close()
         trainer.rt.close()
     before = history.get("eval_before", {}).get("eval/success_rate")
     after = history["eval_after"]["eval/success_rate"]

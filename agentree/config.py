@@ -145,6 +145,24 @@ class EvalConfig(_Section):
     """Sampling temperature for evaluation; null uses engine.temperature."""
 
 
+class WandbConfig(_Section):
+    project: str | None = None
+    """W&B project; setting it turns W&B logging on (WANDB_MODE=offline is respected)."""
+    entity: str | None = None
+    """W&B entity (team or user); default: the logged-in user's."""
+    name: str | None = None
+    """Run name; default: the run directory's name."""
+    trees: bool = True
+    """Log the tree viewer's HTML as an artifact whenever the step's trees are saved."""
+
+
+class LogConfig(_Section):
+    tensorboard: bool = False
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging (off unless `project` is set)."""
+
+
 class ExperimentConfig(_Section):
     seed: int = 0
     """Seeds weights of tiny policies, task order and sampling."""
@@ -162,6 +180,8 @@ class ExperimentConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Experiment trackers (TensorBoard, Weights & Biases) besides metrics.jsonl."""
 
     def component(self, section: str) -> tuple[str, dict[str, Any]]:
         """(name, settings) of the env/rollout/scorer section."""

@@ -45,6 +45,7 @@ from agentree.envs.base import Task
 from agentree.resume import StopSignals, trim_metrics
 from agentree.rollout.base import RolloutStats, action_format
 from agentree.runtime import Runtime, evaluate
+from agentree.tracking import Tracker
 from agentree.tree import Trajectory, Tree, save_trees
 from agentree.update import PolicyUpdate
 
@@ -80,6 +81,7 @@ class Trainer:
         self._cursor = 0
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
+        self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
 
     # -- tasks -------------------------------------------------------------------------------
     def next_tasks(self, n: int) -> list[Task]:
@@ -114,6 +116,7 @@ class Trainer:
                 self.save()
         history["eval_after"] = self.evaluate()
         self.save()
+        self.tracker.close()
         return history
 
     def evaluate(self, log: bool = True) -> dict[str, float]:
@@ -208,6 +211,7 @@ class Trainer:
         row = {"step": self.step, "time": round(time.time(), 3), **metrics}
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.tracker.log(row)
 
     def save_trees(self, trees: list[Tree]) -> None:
         save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")

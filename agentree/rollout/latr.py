@@ -247,6 +247,9 @@ class _Search:
                     "birth": pos,
                     "p": round(p, 6),
                     "p_top": round(p_top, 6),
+                    # the branch point's two tokens as text, for `agentree view`
+                    "token": decode_segment(self.ctx, [t]),
+                    "top_token": decode_segment(self.ctx, [chosen[i]]),
                 }
                 self._feed(child, t, lp[(i, t)], pos)
                 family.append(child)

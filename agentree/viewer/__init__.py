@@ -1,0 +1,1 @@
+"""Static assets of `agentree view` (template, script, style), inlined into each page."""
