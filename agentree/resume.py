@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        """Take over SIGINT/SIGTERM (main thread only) until `uninstall()`."""
+        """Take over SIGINT/SIGTERM until `uninstall()`; only the main thread can."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 

@@ -56,8 +56,8 @@ exit $rc
 EXEC_ATTEMPTS = 3
 """Tries of one command whose container stops under it (restarted in between)."""
 _STOPPED = re.compile(
-    r"is not running|cannot exec in a stopped state|OCI runtime exec failed"
-    r"|^task [0-9a-f]+ not found",
+    r"is not running|cannot exec in a \w+ (?:state|container)|OCI runtime exec failed"
+    r"|No such exec instance|^task [0-9a-f]+ not found",
     re.M,
 )
 
@@ -124,7 +124,8 @@ class Sandbox:
                 except SandboxError:
                     raise
                 except Exception as e:
-                    if not _container_stopped(str(e)) or attempt == EXEC_ATTEMPTS - 1:
+                    stopped = _container_stopped(str(e)) or self._stopped(api)
+                    if not stopped or attempt == EXEC_ATTEMPTS - 1:
                         raise self._error(e) from None
                     self._restart(api)
                     continue
@@ -184,6 +185,14 @@ class Sandbox:
         if timed_out and text.endswith("Killed\n"):  # the wrapper shell's job report
             text = text[: -len("Killed\n")]
         return ExecResult(text, -1 if rc is None else rc, timed_out, elapsed, elided)
+
+    def _stopped(self, api: Any) -> bool:
+        """The container still exists but is not running (killed, crashed, stopping)."""
+        try:
+            state = api.inspect_container(self.container_id)["State"]
+        except Exception:
+            return False
+        return not state.get("Running") or bool(state.get("Restarting"))
 
     def _restart(self, api: Any) -> bool:
         """A stopped container keeps its filesystem: start it again and carry on."""
