@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from agentree.advantages import compute_advantages
-from agentree.batching import Batch, padded_micro_batches, token_logprobs
+from agentree.batching import Batch
 from agentree.config import TrainConfig
 from agentree.loss import loss_normalizer, policy_loss
+from agentree.packing import PackedBatch, batch_logprobs, choose_layout
 from agentree.tree import Trajectory, Tree
 
 
@@ -52,14 +53,14 @@ class PolicyUpdate:
         for g in self.opt.param_groups:
             g["lr"] = lr
 
-    def batches(self, trees: list[Tree], groups: list[list[Trajectory]]) -> list[Batch]:
-        """Advantages per token, then micro-batches of trajectories."""
+    def batches(
+        self, trees: list[Tree], groups: list[list[Trajectory]]
+    ) -> list[Batch] | list[PackedBatch]:
+        """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
         kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
         advs = compute_advantages(tc.advantage, trees, groups, **kw)
-        trajs = [t for g in groups for t in g]
-        adv_tokens = [a for g in advs for a in g]
-        return padded_micro_batches(trajs, adv_tokens, self.pad_id, tc.micro_batch_size)
+        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing)
 
     def __call__(
         self,
@@ -76,8 +77,8 @@ class PolicyUpdate:
         with torch.no_grad():
             self.model.eval()
             for b in micro:
-                old.append(None if on_policy else token_logprobs(self.model, b, temp).cpu())
-                ref.append(None if self.ref is None else token_logprobs(self.ref, b, temp).cpu())
+                old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
+                ref.append(None if self.ref is None else batch_logprobs(self.ref, b, temp).cpu())
         n_tok = sum(b.mask.sum() for b in micro)
         drift = 0.0
         sums: dict[str, float] = {}
@@ -93,7 +94,7 @@ class PolicyUpdate:
                 self.opt.zero_grad(set_to_none=True)
                 for i in chunk:
                     b = micro[i]
-                    lp = token_logprobs(self.model, b, temp)
+                    lp = batch_logprobs(self.model, b, temp)
                     old_i = old[i]
                     old_lp = lp.detach() if old_i is None else old_i.to(dev)
                     if epoch == 0:
