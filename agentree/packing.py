@@ -20,9 +20,16 @@ gradients into the shared token. A token shared by k trajectories thus receives 
 their loss weights (advantage x aggregation weight; `token_weights` computes them), its k3 KL
 to the reference likewise, and pi_old / reference log-probs are computed once per token.
 
-Which layout a batch uses (`train.packing`): `tree`, `padded`, or `auto`, which compares
-`forward_cost` of the two layouts, a per-row estimate `tokens + tokens^2 / ATTN_TOKENS`
-(linear layers grow with the row's tokens, the dense-masked attention with their square).
+Attention goes through the model's ordinary forward with a boolean 4D mask, which SDPA takes
+as is (transformers passes a 4D mask through unchanged). FlexAttention's block masks would skip
+the masked blocks, but it has no backward on CPU (torch 2.13), so the dense mask is what runs
+here: a packed row of length L pays for all L^2 query-key pairs, while a padded row without
+padding takes SDPA's causal path and pays for about half.
+
+Which layout a batch uses (`train.packing`): `tree`, `padded`, or `auto`, which picks the
+layout with the smaller `layout_cost`: per row, `L * (1 + L / kappa)` for a packed row and
+`L * (1 + L / (2 kappa))` for a padded one (linear layers grow with the row's tokens,
+attention with their square), kappa = `ATTN_PER_WIDTH * hidden_size`.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import torch
 from agentree.batching import Batch, make_batch, padded_micro_batches, token_logprobs
 from agentree.loss import Aggregation
 
-ATTN_TOKENS = 4096.0
-"""Row length at which attention costs as much as the rest of the forward (the `auto` rule)."""
+ATTN_PER_WIDTH = 3.0
+"""kappa / hidden_size, where kappa is the row length at which a dense-masked row's attention
+costs as much as the rest of its forward and backward. Measured on the 2-core CPU with the
+tiny Qwen2 (hidden 128): 4096 tokens as 16 x 256 vs 1 x 4096 rows take 1 : 7.4, kappa ~ 400."""
 
 
 @dataclass
@@ -270,14 +279,20 @@ def batch_logprobs(model: Any, b: Batch | PackedBatch, temperature: float) -> to
     return token_logprobs(model, b, temperature)
 
 
-def forward_cost(rows: int, length: int) -> float:
-    """Relative forward/backward cost of `rows` rows of `length` tokens (see the module doc)."""
-    return rows * length * (1.0 + length / ATTN_TOKENS)
+def forward_cost(rows: int, length: int, kappa: float, *, dense: bool) -> float:
+    """Relative forward/backward cost of `rows` rows of `length` tokens (see the module doc);
+    `dense`: a full 4D mask (packed rows) rather than SDPA's causal path."""
+    return rows * length * (1.0 + length / (kappa if dense else 2.0 * kappa))
 
 
-def layout_cost(micro: Sequence[Batch | PackedBatch]) -> float:
+def layout_cost(micro: Sequence[Batch | PackedBatch], kappa: float) -> float:
     """Summed `forward_cost` of a list of micro-batches."""
-    return sum(forward_cost(*b.ids.shape) for b in micro)
+    return sum(forward_cost(*b.ids.shape, kappa, dense=isinstance(b, PackedBatch)) for b in micro)
+
+
+def attention_break_even(model: Any) -> float:
+    """kappa of the `auto` rule for this model."""
+    return ATTN_PER_WIDTH * float(model.config.hidden_size)
 
 
 def choose_layout(
@@ -286,15 +301,19 @@ def choose_layout(
     pad: int,
     size: int,
     packing: str,
+    kappa: float = 384.0,
 ) -> list[Batch] | list[PackedBatch]:
-    """Micro-batches in the layout `packing` asks for (`auto`: the cheaper by `layout_cost`)."""
+    """Micro-batches in the layout `packing` asks for (`auto`: the cheaper by `layout_cost`
+    with break-even row length `kappa`)."""
     if packing not in ("auto", "tree", "padded"):
         raise ValueError(f"unknown train.packing {packing!r}; choose auto, tree or padded")
     trajs = [t for g in groups for t in g]
     flat = [a for g in advs for a in g]
     padded = None if packing == "tree" else padded_micro_batches(trajs, flat, pad, size)
     packed = None if packing == "padded" else packed_micro_batches(groups, advs, pad, size)
-    if padded is None or (packed is not None and layout_cost(packed) < layout_cost(padded)):
+    if padded is None or (
+        packed is not None and layout_cost(packed, kappa) < layout_cost(padded, kappa)
+    ):
         assert packed is not None
         return packed
     return padded

@@ -22,7 +22,7 @@ from agentree.advantages import compute_advantages
 from agentree.batching import Batch
 from agentree.config import TrainConfig
 from agentree.loss import loss_normalizer, policy_loss
-from agentree.packing import PackedBatch, batch_logprobs, choose_layout
+from agentree.packing import PackedBatch, attention_break_even, batch_logprobs, choose_layout
 from agentree.tree import Trajectory, Tree
 
 
@@ -60,7 +60,8 @@ class PolicyUpdate:
         tc = self.tc
         kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
         advs = compute_advantages(tc.advantage, trees, groups, **kw)
-        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing)
+        kappa = attention_break_even(self.model)
+        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
 
     def __call__(
         self,

@@ -30,7 +30,7 @@ import torch
 
 from agentree.config import load_config
 from agentree.loss import loss_normalizer, policy_loss
-from agentree.packing import batch_logprobs, choose_layout, layout_cost
+from agentree.packing import attention_break_even, batch_logprobs, choose_layout, layout_cost
 from agentree.runtime import Runtime
 from agentree.update import PolicyUpdate
 
@@ -116,20 +116,21 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     advs = [
         [[float(torch.randn(1, generator=g))] * len(t.token_ids) for t in grp] for grp in groups
     ]
+    kappa = attention_break_even(base)
     upd: dict[str, PolicyUpdate] = {}
     out: dict[str, dict[str, Any]] = {}
     grads: dict[str, dict[str, torch.Tensor]] = {}
     for packing in ("padded", "tree"):
         tc = tc0.model_copy(update={"packing": packing})
         upd[packing] = PolicyUpdate(copy.deepcopy(base), tc, ref=ref, pad_id=0)
-        micro = choose_layout(groups, advs, 0, tc.micro_batch_size, packing)
+        micro = choose_layout(groups, advs, 0, tc.micro_batch_size, packing, kappa)
         grads[packing] = gradients(upd[packing].model, micro, tc, ref)
         out[packing] = {
             "tokens": sum(int(b.ids.numel()) for b in micro),
             "micro_batches": len(micro),
             "rows": sum(int(b.ids.shape[0]) for b in micro),
             "longest_row": max(int(b.ids.shape[1]) for b in micro),
-            "cost_estimate": layout_cost(micro),
+            "cost_estimate": layout_cost(micro, kappa),
             "walls": [],
         }
     # Alternate the layouts so that load from other processes hits both alike.
