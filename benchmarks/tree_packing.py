@@ -36,7 +36,6 @@ from agentree.update import PolicyUpdate
 
 CASES: dict[str, tuple[str | None, dict[str, str], list[str]]] = {
     "frozenlake_patr": ("frozenlake_patr", {}, ["env.max_turns=10", "rollout.K=5"]),
-    "swe_patr": ("swebench_patr", {}, ["engine.env_workers=2"]),
     "countdown_latr": (
         None,
         {"env": "countdown", "rollout": "latr"},
@@ -51,6 +50,12 @@ CASES: dict[str, tuple[str | None, dict[str, str], list[str]]] = {
         None,
         {"env": "countdown", "rollout": "eptree"},
         ["rollout.M=2", "rollout.N=3", "rollout.L=1", "rollout.T=2"],
+    ),
+    # CPU-sized: 4 turns per branch, branching after 2, contexts cut at 2048 tokens.
+    "swe_patr": (
+        "swebench_patr",
+        {},
+        ["env.step_limit=4", "rollout.K=2", "engine.max_context=2048", "engine.env_workers=2"],
     ),
 }
 
