@@ -111,7 +111,7 @@ class TrainConfig(_Section):
     """Optimiser steps per pass (>1 makes later updates off-policy, where clipping acts)."""
     packing: Literal["auto", "tree", "padded"] = "auto"
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
-    trajectory, or auto: whichever `agentree.packing.forward_cost` estimates cheaper per batch."""
+    trajectory, or auto: whichever `agentree.packing.layout_cost` estimates cheaper per batch."""
     save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)

@@ -84,7 +84,7 @@ class _Trie:
 
 
 def build_trie(seqs: Sequence[Sequence[int]]) -> _Trie:
-    """Merge token sequences into a trie; node ids are in insertion (depth-first) order."""
+    """Merge token sequences into a trie; node ids are in insertion order (parents first)."""
     token: list[int] = []
     parent: list[int] = []
     depth: list[int] = []
@@ -291,8 +291,8 @@ def layout_cost(micro: Sequence[Batch | PackedBatch], kappa: float) -> float:
 
 
 def attention_break_even(model: Any) -> float:
-    """kappa of the `auto` rule for this model."""
-    return ATTN_PER_WIDTH * float(model.config.hidden_size)
+    """kappa of the `auto` rule for this model (that of the tiny policy if it has no config)."""
+    return ATTN_PER_WIDTH * float(getattr(getattr(model, "config", None), "hidden_size", 128))
 
 
 def choose_layout(

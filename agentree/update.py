@@ -6,7 +6,8 @@ The objective is `agentree.loss.policy_loss` (see `agentree.trainer` for the for
 so its log-probs are the detached ones of the training forward and need no extra pass.
 Otherwise pi_old is recomputed once before the first optimiser step, as verl does. The loss
 normaliser of each optimiser step is computed over all of its micro-batches, so gradient
-accumulation gives the gradient of the whole minibatch.
+accumulation gives the gradient of the whole minibatch. Micro-batches are padded rows or
+tree-packed rows (`train.packing`, `agentree.packing`); both give the loss the same tensors.
 """
 
 from __future__ import annotations
@@ -130,5 +131,7 @@ class PolicyUpdate:
         out["train/grad_norm"] = sums.get("train/grad_norm", 0.0) / steps
         out["train/logprob_drift"] = float(drift / max(float(n_tok), 1.0))
         out["train/policy_tokens"] = float(n_tok)
+        out["train/forward_tokens"] = float(sum(b.ids.numel() for b in micro))
+        out["train/packed"] = float(isinstance(micro[0], PackedBatch))
         out["train/lr"] = self.opt.param_groups[0]["lr"]
         return out

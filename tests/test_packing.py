@@ -271,6 +271,8 @@ def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
         moved[packing] = [p.detach() for p in model.parameters()]
     start = list(rt.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(moved["tree"], start, strict=True))
+    assert stats["tree"]["train/packed"] == 1.0 and stats["padded"]["train/packed"] == 0.0
+    assert stats["tree"]["train/forward_tokens"] < stats["padded"]["train/forward_tokens"]
     for key in ("train/loss", "train/grad_norm", "train/kl", "train/policy_tokens"):
         assert stats["tree"][key] == pytest.approx(stats["padded"][key], rel=1e-4)
     # Adam's first step is lr * g / (|g| + eps): entries with |g| near eps turn fp32 rounding
