@@ -280,3 +280,21 @@ def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
     for a, b in zip(moved["tree"], moved["padded"], strict=True):
         assert torch.allclose(a, b, rtol=0, atol=0.05 * 1e-3)
     rt.close()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_logprobs_with_each_attention_implementation(impl, tiny_frozenlake):
+    from transformers import AutoModelForCausalLM
+
+    from agentree.batching import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_frozenlake, dtype=torch.float32, attn_implementation=impl
+    )
+    group = hand_tree().trajectories()
+    advs = [[1.0] * len(t.token_ids) for t in group]
+    with torch.no_grad():
+        packed = batch_logprobs(model, pack([group], [advs], 0), 1.0)
+        padded = token_logprobs(model, make_batch(group, advs, 0), 1.0)
+    mask = make_batch(group, advs, 0).mask
+    assert torch.allclose(packed * mask, padded * mask, atol=1e-5)
