@@ -127,6 +127,48 @@ def _fill_rows(lengths: Sequence[int]) -> list[list[int]]:
     return rows
 
 
+def _ancestor_mask(parent: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: node k attends to node j iff j is k or one of its ancestors."""
+    n = len(parent)
+    block = torch.zeros(n, n, dtype=torch.bool)
+    # Nodes are numbered parent-first, so one pass builds each row from its parent's row.
+    for k, p in enumerate(parent):
+        if p >= 0:
+            block[k] = block[p]
+        block[k, k] = True
+    return block
+
+
+def _targets(
+    tries: Sequence[_Trie], flat_of: Sequence[Sequence[int]], mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prev, target, index) of `PackedBatch`: each distinct policy token once, and for each
+    (trajectory, position) of `mask` its target number (len(target) off the mask)."""
+    prev: list[int] = []
+    target: list[int] = []
+    number: dict[int, int] = {}  # flat index of a target token -> its target number
+    on = mask.bool().tolist()
+    index = [[-1] * len(r) for r in on]
+    i = 0
+    for g, tr in enumerate(tries):
+        flat = flat_of[g]
+        for path in tr.path:
+            # Only policy tokens are targets: the loss never reads the others.
+            for t in range(1, len(path)):
+                if not on[i][t - 1]:
+                    continue
+                f = flat[path[t]]
+                if f not in number:
+                    number[f] = len(target)
+                    target.append(f)
+                    prev.append(flat[path[t - 1]])
+                index[i][t - 1] = number[f]
+            i += 1
+    idx = torch.tensor(index, dtype=torch.long).reshape(mask.shape)
+    idx[idx < 0] = len(target)
+    return torch.tensor(prev, dtype=torch.long), torch.tensor(target, dtype=torch.long), idx
+
+
 def pack(
     groups: Sequence[Sequence[Any]],
     advs: Sequence[Sequence[Sequence[float]]],
@@ -150,44 +192,16 @@ def pack(
             n = len(tr.token)
             ids[r, off : off + n] = torch.tensor(tr.token)
             pos[r, off : off + n] = torch.tensor(tr.depth)
-            # Nodes are numbered parent-first, so one pass builds each row of the ancestor
-            # matrix from its parent's: the token sees what its parent sees, plus itself.
-            block = torch.zeros(n, n, dtype=torch.bool)
-            for k, p in enumerate(tr.parent):
-                if p >= 0:
-                    block[k] = block[p]
-                block[k, k] = True
-            tree_mask[r, off : off + n, off : off + n] = block
+            tree_mask[r, off : off + n, off : off + n] = _ancestor_mask(tr.parent)
             flat_of[g] = [r * width + off + k for k in range(n)]
             off += n
-    prev: list[int] = []
-    target: list[int] = []
-    number: dict[int, int] = {}  # flat index of a target token -> its target number
-    on = base.mask.bool().tolist()
-    index = [[-1] * len(r) for r in on]
-    i = 0
-    for g, tr in enumerate(tries):
-        flat = flat_of[g]
-        for path in tr.path:
-            # Only policy tokens are targets: the loss never reads the others.
-            for t in range(1, len(path)):
-                if not on[i][t - 1]:
-                    continue
-                f = flat[path[t]]
-                if f not in number:
-                    number[f] = len(target)
-                    target.append(f)
-                    prev.append(flat[path[t - 1]])
-                index[i][t - 1] = number[f]
-            i += 1
-    idx = torch.tensor(index, dtype=torch.long).reshape(base.mask.shape)
-    idx[idx < 0] = len(target)
+    prev, target, idx = _targets(tries, flat_of, base.mask)
     return PackedBatch(
         ids=ids,
         position_ids=pos,
         tree_mask=tree_mask,
-        prev=torch.tensor(prev, dtype=torch.long),
-        target=torch.tensor(target, dtype=torch.long),
+        prev=prev,
+        target=target,
         index=idx,
         mask=base.mask,
         adv=base.adv,
