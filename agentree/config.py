@@ -116,6 +116,9 @@ class TrainConfig(_Section):
     """Passes over each rollout batch."""
     minibatches: int = Field(1, ge=1)
     """Optimiser steps per pass (>1 makes later updates off-policy, where clipping acts)."""
+    packing: Literal["auto", "tree", "padded"] = "auto"
+    """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
+    trajectory, or auto: whichever `agentree.packing.layout_cost` estimates cheaper per batch."""
     save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)

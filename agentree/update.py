@@ -6,7 +6,8 @@ The objective is `agentree.loss.policy_loss` (see `agentree.trainer` for the for
 so its log-probs are the detached ones of the training forward and need no extra pass.
 Otherwise pi_old is recomputed once before the first optimiser step, as verl does. The loss
 normaliser of each optimiser step is computed over all of its micro-batches, so gradient
-accumulation gives the gradient of the whole minibatch.
+accumulation gives the gradient of the whole minibatch. Micro-batches are padded rows or
+tree-packed rows (`train.packing`, `agentree.packing`); both give the loss the same tensors.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 import torch
 
 from agentree.advantages import compute_advantages
-from agentree.batching import Batch, padded_micro_batches, token_logprobs
+from agentree.batching import Batch
 from agentree.config import TrainConfig
 from agentree.loss import loss_normalizer, policy_loss
+from agentree.packing import PackedBatch, attention_break_even, batch_logprobs, choose_layout
 from agentree.tree import Trajectory, Tree
 
 
@@ -52,15 +54,16 @@ class PolicyUpdate:
         for g in self.opt.param_groups:
             g["lr"] = lr
 
-    def batches(self, trees: list[Tree], groups: list[list[Trajectory]]) -> list[Batch]:
-        """Advantages per token, then micro-batches of trajectories."""
+    def batches(
+        self, trees: list[Tree], groups: list[list[Trajectory]]
+    ) -> list[Batch] | list[PackedBatch]:
+        """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
         kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
         kw.update(tc.advantage_options)
         advs = compute_advantages(tc.advantage, trees, groups, **kw)
-        trajs = [t for g in groups for t in g]
-        adv_tokens = [a for g in advs for a in g]
-        return padded_micro_batches(trajs, adv_tokens, self.pad_id, tc.micro_batch_size)
+        kappa = attention_break_even(self.model)
+        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
 
     def __call__(
         self,
@@ -77,8 +80,8 @@ class PolicyUpdate:
         with torch.no_grad():
             self.model.eval()
             for b in micro:
-                old.append(None if on_policy else token_logprobs(self.model, b, temp).cpu())
-                ref.append(None if self.ref is None else token_logprobs(self.ref, b, temp).cpu())
+                old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
+                ref.append(None if self.ref is None else batch_logprobs(self.ref, b, temp).cpu())
         n_tok = sum(b.mask.sum() for b in micro)
         drift = 0.0
         sums: dict[str, float] = {}
@@ -94,7 +97,7 @@ class PolicyUpdate:
                 self.opt.zero_grad(set_to_none=True)
                 for i in chunk:
                     b = micro[i]
-                    lp = token_logprobs(self.model, b, temp)
+                    lp = batch_logprobs(self.model, b, temp)
                     old_i = old[i]
                     old_lp = lp.detach() if old_i is None else old_i.to(dev)
                     if epoch == 0:
@@ -131,5 +134,7 @@ class PolicyUpdate:
         out["train/grad_norm"] = sums.get("train/grad_norm", 0.0) / steps
         out["train/logprob_drift"] = float(drift / max(float(n_tok), 1.0))
         out["train/policy_tokens"] = float(n_tok)
+        out["train/forward_tokens"] = float(sum(b.ids.numel() for b in micro))
+        out["train/packed"] = float(isinstance(micro[0], PackedBatch))
         out["train/lr"] = self.opt.param_groups[0]["lr"]
         return out
