@@ -234,6 +234,9 @@ class Trainer:
         self.rt.engine.sync_weights(self.model)
         return True
 
+    def close(self) -> None:
+        self.rt.close()
+
 
 def lr_at(tc: Any, step: int) -> float:
     """Learning rate for optimiser step `step` (0-based): linear warm-up, then the schedule."""
