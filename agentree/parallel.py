@@ -255,6 +255,7 @@ class ParallelTrainer(Trainer):
         self.rng = random.Random(cfg.seed)
         self.rt: Runtime | None = None
         self.engine_adapter: Any = None
+        self._engine_stale = True
         info = None
         if self.rank == 0:
             self.rt = Runtime(cfg, log=log)
@@ -309,6 +310,10 @@ class ParallelTrainer(Trainer):
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
+    def update(self, trees: list[Tree], groups: list[list[Trajectory]]) -> dict[str, float]:
+        self._engine_stale = True
+        return super().update(trees, groups)
+
     def evaluate(self, log: bool = True) -> dict[str, float]:
         return super().evaluate(log) if self.rt is not None else {}
 
@@ -328,8 +333,8 @@ class ParallelTrainer(Trainer):
         from agentree.engines.hf import HFEngine
 
         if self.lora:
-            missing, unexpected = self.engine_adapter.load_state_dict(state, strict=False)
-            assert not unexpected, unexpected
+            # strict=False: the state holds only the adapters, not the frozen base
+            self.engine_adapter.load_state_dict(state, strict=False)
             if isinstance(self.rt.engine, HFEngine):
                 self.rt.engine.sync_weights(self.rt.model)  # same module: drops stale KV only
             else:
@@ -340,6 +345,7 @@ class ParallelTrainer(Trainer):
         else:
             self.rt.model.load_state_dict(state)
             self.rt.engine.sync_weights(self.rt.model)
+        self._engine_stale = False
         self.last_sync_s = time.perf_counter() - t0
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -360,6 +366,8 @@ class ParallelTrainer(Trainer):
     def save(self) -> Path:
         import torch.distributed.checkpoint as dcp
 
+        if self._engine_stale:  # rank 0 writes the weights its engine holds
+            self.sync_engine()
         tmp = begin_checkpoint(self.dir, self.step) if self.rank == 0 else None
         tmp = Path(broadcast_object(str(tmp)))
         state, _ = self._dcp_state()
