@@ -328,6 +328,7 @@ class ParallelTrainer(Trainer):
         t0 = time.perf_counter()
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(self.model, options=opts)  # collective under FSDP
+        self._engine_stale = False
         if self.rt is None:
             return
         from agentree.engines.hf import HFEngine
@@ -345,7 +346,6 @@ class ParallelTrainer(Trainer):
         else:
             self.rt.model.load_state_dict(state)
             self.rt.engine.sync_weights(self.rt.model)
-        self._engine_stale = False
         self.last_sync_s = time.perf_counter() - t0
 
     # -- checkpoints --------------------------------------------------------------------------
