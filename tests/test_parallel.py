@@ -91,7 +91,8 @@ def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> li
     tr = make_trainer(cfg_for(out, *extra), out, log=quiet)
     trees, groups = torch.load(batch, weights_only=False)
     states = [full_state(tr.model)]
-    for _ in range(updates):
+    for step in range(updates):
+        tr.step = step  # the learning-rate schedule follows the step, as in the loop
         tr.update(trees, groups)
         states.append(full_state(tr.model))
     tr.close()
