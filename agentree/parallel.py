@@ -356,7 +356,8 @@ class ParallelTrainer(Trainer):
             get_state_dict,
         )
 
-        opts = StateDictOptions(ignore_frozen_params=self.lora)
+        # with LoRA only the adapters are saved; the frozen base comes from the policy path
+        opts = StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
         msd, osd = get_state_dict(self.model, self.opt, options=opts)
         state: dict[str, Any] = {"model": msd, "optim": osd}
         if self.ref is not None and not self.lora:

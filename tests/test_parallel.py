@@ -268,3 +268,35 @@ def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
         make_trainer(cfg_for(tmp_path, "train.dtype=bf16"), tmp_path)
     with pytest.raises(ValueError, match="train.fsdp=true"):
         make_trainer(cfg_for(tmp_path, "train.world_size=2"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("config", "expect"),
+    [
+        ("configs/frozenlake_patr_qwen2.5_0.5b.yaml", "Qwen/Qwen2.5-0.5B-Instruct"),
+        ("configs/swebench_patr_qwen3_8b.yaml", "Qwen/Qwen3-8B"),
+    ],
+)
+def test_gpu_recipes_dry_run_without_weights(config, expect, capsys):
+    from agentree.cli import main
+
+    root = Path(__file__).parent.parent
+    assert main(["train", "--config", str(root / config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"built-in architecture table for {expect}" in out
+    assert "rank 0:" in out and "FSDP2" in out and "engine: vllm" in out
+    total = float(out.split("total")[-1].split("GiB")[0])
+    assert 1 < total < 80  # the recipes are sized for 80 GB GPUs (docs/scaling-memory.md)
+
+
+def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys):
+    """A local path is read from its config.json; the count is the real model's."""
+    from transformers import AutoModelForCausalLM
+
+    from agentree.cli import main
+
+    args = ["train", "--policy", str(tiny_frozenlake), "--dry-run", "--set", "train.lora.r=4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_frozenlake).parameters())
+    assert f"parameters: {n / 1e6:.2f}M (LoRA r=4" in out
