@@ -166,7 +166,9 @@ def main() -> None:
     print("| model | params | ranks | mode | peak RSS per rank (MiB) | RSS after step (MiB) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        mode = ("FSDP2" if r["fsdp"] else "1 process") + (f" + LoRA r={r['lora']}" if r["lora"] else "")
+        mode = ("FSDP2" if r["fsdp"] else "1 process") + (
+            f" + LoRA r={r['lora']}" if r["lora"] else ""
+        )
         print(
             f"| {r['model']} | {r['params_m']}M | {r['ranks']} | {mode} | "
             f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['after_mib']))} |"

@@ -264,9 +264,9 @@ def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
 def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
     from agentree.parallel import make_trainer
 
-    with pytest.raises(ValueError, match="train.fsdp=true"):
+    with pytest.raises(ValueError, match=r"train\.fsdp=true"):
         make_trainer(cfg_for(tmp_path, "train.dtype=bf16"), tmp_path)
-    with pytest.raises(ValueError, match="train.fsdp=true"):
+    with pytest.raises(ValueError, match=r"train\.fsdp=true"):
         make_trainer(cfg_for(tmp_path, "train.world_size=2"), tmp_path)
 
 
