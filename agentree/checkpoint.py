@@ -19,16 +19,27 @@ import torch
 def save_checkpoint(
     run_dir: Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], keep: int
 ) -> Path:
-    root = run_dir / "checkpoints"
-    ckpt = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = begin_checkpoint(run_dir, step)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, **state}, tmp / "trainer_state.pt")
+    return finish_checkpoint(run_dir, step, keep)
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """An empty temporary directory to write the checkpoint of `step` into."""
+    tmp = run_dir / "checkpoints" / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_checkpoint(run_dir: Path, step: int, keep: int) -> Path:
+    """Publish the temporary directory of `step` as `step_NNNNNN`, prune old checkpoints."""
+    root = run_dir / "checkpoints"
+    ckpt = root / f"step_{step:06d}"
     _remove(ckpt)
-    tmp.rename(ckpt)
+    (root / f".tmp_step_{step:06d}").rename(ckpt)
     pointer = root / ".latest.tmp"
     pointer.write_text(ckpt.name)
     os.replace(pointer, root / "latest")

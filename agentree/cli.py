@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="optimiser steps")
     p.add_argument("--tasks", help="training tasks: a count, a JSON/JSONL file or a named source")
     p.add_argument("--resume", action="store_true", help="continue the run in --output")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, rank placement and memory estimate, then exit",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("rollout", help="build rollout trees without training")
@@ -73,6 +78,7 @@ def _command_hooks() -> list[Callable[[Any], None]]:
         ("agentree.swe.cli", "add_swe_commands"),
         ("agentree.view", "add_view_command"),
         ("agentree.plot", "add_plot_command"),
+        ("agentree.export", "add_export_command"),
     ):
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             hooks.append(getattr(importlib.import_module(module), name))
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     # agentree shows its own progress; silence the per-file bars of model loading/saving
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # ranks re-run the same command
     debug = args.debug or os.environ.get("AGENTREE_DEBUG") == "1"
     try:
         return int(args.func(args) or 0)
@@ -138,7 +145,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from agentree.resume import resume_config
 
+    rank = int(os.environ.get("RANK", "0"))
     console = _console()
+    console.quiet = rank > 0
     if args.resume:
         if not args.output:
             raise ValueError("--resume needs --output DIR of the run to continue")
@@ -153,14 +162,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     else:
         cfg = _load(args)
+    if args.dry_run:
+        from agentree.plan import dry_run
+
+        print(dry_run(cfg))
+        return 0
     run_dir = _run_dir(cfg, cfg.rollout["name"])
     cfg.output = str(run_dir)
-    if not args.resume and (run_dir / "checkpoints").exists():
+    if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
-    _write_config(cfg, run_dir)
-
     from agentree.checkpoint import latest_checkpoint
-    from agentree.trainer import Trainer
+    from agentree.parallel import check_train_config, make_trainer, spawn_ranks
+
+    check_train_config(cfg.train)
+    if cfg.train.world_size > 1 and "RANK" not in os.environ:
+        argv = [*args.argv, "--output", str(run_dir)] if not args.output else args.argv
+        return spawn_ranks(cfg.train.world_size, argv)
+    if rank == 0:
+        _write_config(cfg, run_dir)
 
     t0 = time.perf_counter()
     console.print(
@@ -168,7 +187,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"scorer={cfg.scorer['name']} policy={cfg.policy.path} steps={cfg.train.steps} "
         f"-> {run_dir}"
     )
-    trainer = Trainer(cfg, run_dir, log=console.print)
+    trainer = make_trainer(cfg, run_dir, log=console.print)
     try:
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
         if args.resume and trainer.resume():
@@ -222,7 +241,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         trainer.stop.uninstall()
         trainer.tracker.close()
-        trainer.rt.close()
+        trainer.close()
+    if rank > 0:
+        return 0
     before = history.get("eval_before", {}).get("eval/success_rate")
     after = history["eval_after"]["eval/success_rate"]
     wall = time.perf_counter() - t0

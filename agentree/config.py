@@ -70,6 +70,27 @@ class EngineConfig(_Section):
     """Extra keyword arguments for vllm.LLM (e.g. gpu_memory_utilization)."""
 
 
+class LoraSettings(_Section):
+    r: int = Field(0, ge=0)
+    """LoRA rank; 0 trains all weights."""
+    alpha: float = Field(32.0, gt=0.0)
+    """LoRA scale numerator: the update is (alpha / r) * B A."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Linear layers that get adapters (names inside each transformer block)."""
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=0)
     """Optimiser steps (one rollout batch each)."""
@@ -127,6 +148,16 @@ class TrainConfig(_Section):
     """Write the step's trees to trees/ every N steps (0: never)."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before and after training)."""
+    world_size: int = Field(1, ge=1)
+    """Training ranks (processes); >1 needs `fsdp: true`."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimiser state over the ranks with FSDP2."""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """LoRA adapters (peft); `r: 0` trains all weights."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Training compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them."""
 
     @model_validator(mode="after")
     def _check_advantage_options(self) -> TrainConfig:

@@ -258,6 +258,9 @@ class Trainer:
         trim_metrics(self.dir / "metrics.jsonl", self.step)
         return True
 
+    def close(self) -> None:
+        self.rt.close()
+
 
 def lr_at(tc: Any, step: int) -> float:
     """Learning rate for optimiser step `step` (0-based): linear warm-up, then the schedule."""

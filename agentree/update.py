@@ -47,12 +47,19 @@ class PolicyUpdate:
         self.pad_id = pad_id
         self.rng = rng or random.Random(0)
         self.opt = torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.999)
+            [p for p in model.parameters() if p.requires_grad],
+            lr=tc.lr,
+            weight_decay=tc.weight_decay,
+            betas=(0.9, 0.999),
         )
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr
+
+    def global_sum(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks; one process holds the whole batch."""
+        return values
 
     def batches(
         self, trees: list[Tree], groups: list[list[Trajectory]]
@@ -82,7 +89,7 @@ class PolicyUpdate:
             for b in micro:
                 old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
                 ref.append(None if self.ref is None else batch_logprobs(self.ref, b, temp).cpu())
-        n_tok = sum(b.mask.sum() for b in micro)
+        (n_tok,) = self.global_sum([float(sum(b.mask.sum() for b in micro))])
         drift = 0.0
         sums: dict[str, float] = {}
         self.model.train()
@@ -93,7 +100,10 @@ class PolicyUpdate:
             per = math.ceil(len(idx) / tc.minibatches)
             for s in range(0, len(idx), per):
                 chunk = idx[s : s + per]
-                norm = sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)
+                # the normaliser of the whole optimiser step, over all ranks: exact gradients
+                (norm,) = self.global_sum(
+                    [sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)]
+                )
                 self.opt.zero_grad(set_to_none=True)
                 for i in chunk:
                     b = micro[i]
@@ -123,10 +133,14 @@ class PolicyUpdate:
                     for k, v in met.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # sharded grads
                 sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gn)
                 self.set_lr(lr() if callable(lr) else lr)
                 self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        keys = sorted(k for k in sums if k != "train/grad_norm")  # the norm is already global
+        sums.update(zip(keys, self.global_sum([sums[k] for k in keys]), strict=True))
+        (drift,) = self.global_sum([drift])
         steps = tc.epochs * math.ceil(len(micro) / math.ceil(len(micro) / tc.minibatches))
         scalar = ("train/loss", "train/grad_norm")
         out = {k: v / float(n_tok) / tc.epochs for k, v in sums.items() if k not in scalar}

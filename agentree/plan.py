@@ -1,0 +1,189 @@
+"""`agentree train --dry-run`: the resolved config, where each rank and the engine run, and a
+per-rank memory estimate computed from the model's architecture without loading weights.
+
+The parameter count comes from instantiating the architecture on the meta device (no memory,
+no weights). The architecture is the policy's `config.json` when the path is a local
+checkpoint, the tiny policy's settings for `tiny`, or a built-in table of the models the
+shipped recipes use when the path is a hub id (nothing is downloaded).
+
+Per rank, with P parameters, T trainable ones (T = P, or the LoRA A/B matrices), W ranks:
+  weights      4P/W bytes under FSDP (fp32 master shards), 4P unsharded
+  gathered     the largest FSDP unit (a decoder layer) unsharded in the compute dtype, twice
+               (the one computing plus the one prefetched)
+  gradients    4T/W      optimiser (AdamW m and v)   8T/W
+  activations  one micro-batch of N tokens (N = micro_batch_size * engine.max_context, the
+               worst case): see `activation_bytes`
+The engine's own copy of the weights (rank 0) is listed apart: vLLM adds its KV cache on top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agentree.config import ExperimentConfig
+
+KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+        "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen3-4B": {
+        "model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 9728,
+        "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288,
+        "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+"""Architectures (from the models' published config.json) for estimates without a download."""
+KNOWN_ARCHITECTURES["Qwen/Qwen2.5-0.5B"] = KNOWN_ARCHITECTURES["Qwen/Qwen2.5-0.5B-Instruct"]
+
+GIB = 1024**3
+
+
+def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
+    """(transformers config, where it came from) for the policy, without weights."""
+    from transformers import AutoConfig, Qwen2Config
+
+    path = cfg.policy.path
+    if path == "tiny":
+        t = cfg.policy.tiny
+        conf = Qwen2Config(
+            vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+            num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+        return conf, "policy.tiny settings (vocab_size is an upper bound)"
+    if (Path(path) / "config.json").exists():
+        return AutoConfig.from_pretrained(path), f"{path}/config.json"
+    if path in KNOWN_ARCHITECTURES:
+        d = dict(KNOWN_ARCHITECTURES[path])
+        return AutoConfig.for_model(d.pop("model_type"), **d), (
+            f"built-in architecture table for {path} (hub id; weights not needed or downloaded)"
+        )
+    raise ValueError(
+        f"cannot estimate memory for {path!r}: it is neither a local checkpoint nor one of "
+        f"{', '.join(sorted(KNOWN_ARCHITECTURES))}; pass a directory holding its config.json"
+    )
+
+
+def count_parameters(conf: Any, target_modules: list[str], r: int) -> dict[str, int]:
+    """Parameters of the architecture (meta device: nothing allocated) and of LoRA rank r."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    layer = max(
+        (m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")),
+        key=lambda m: sum(p.numel() for p in m.parameters()),
+    )
+    lora = 0
+    if r:
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in target_modules:
+                lora += r * (m.in_features + m.out_features)
+    return {"total": total, "layer": sum(p.numel() for p in layer.parameters()), "lora": lora}
+
+
+def activation_bytes(conf: Any, tokens: int, checkpointing: bool, act_bytes: int) -> int:
+    """Activations kept for backward in one micro-batch of `tokens` tokens.
+
+    A decoder layer keeps about (10h + 2*kv + 3i) values per token (norm inputs and outputs,
+    q/k/v, attention output, o_proj input, gate/up/act outputs) with a fused attention kernel;
+    with checkpointing only each layer's input (h per token) is kept, plus one layer's
+    activations while it is recomputed. The logits and their log-softmax are fp32.
+    """
+    h, i = conf.hidden_size, conf.intermediate_size
+    head_dim = getattr(conf, "head_dim", None) or h // conf.num_attention_heads
+    kv = conf.num_key_value_heads * head_dim
+    per_layer = (10 * h + 2 * kv + 3 * i) * tokens * act_bytes
+    layers = conf.num_hidden_layers
+    body = (h * tokens * act_bytes * layers + per_layer) if checkpointing else per_layer * layers
+    return body + 8 * tokens * conf.vocab_size
+
+
+def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
+    tc = cfg.train
+    conf, source = model_config(cfg)
+    n = count_parameters(conf, list(tc.lora.target_modules), tc.lora.r)
+    w = tc.world_size if tc.fsdp else 1
+    trainable = n["lora"] if tc.lora.r else n["total"]
+    compute = 2 if tc.dtype == "bf16" else 4
+    tokens = tc.micro_batch_size * cfg.engine.max_context
+    per_rank = {
+        "weights": 4 * n["total"] / w,
+        "gathered layers": (2 * compute * n["layer"]) if tc.fsdp and w > 1 else 0,
+        "gradients": 4 * trainable / w,
+        "optimizer": 8 * trainable / w,
+        "activations": activation_bytes(conf, tokens, tc.gradient_checkpointing, compute),
+    }
+    if tc.lora.r:
+        per_rank["weights"] += 4 * n["lora"] / w
+    if tc.kl_coef > 0 and not tc.lora.r:
+        per_rank["reference"] = 4 * n["total"] / w
+    return {
+        "source": source,
+        "params": n,
+        "tokens": tokens,
+        "per_rank": per_rank,
+        "per_rank_total": sum(per_rank.values()),
+        "engine_weights": 2 * n["total"],
+    }
+
+
+def placement(cfg: ExperimentConfig) -> list[str]:
+    import torch
+
+    tc = cfg.train
+    cuda = torch.cuda.is_available() and cfg.policy.device != "cpu"
+    lines = []
+    for r in range(tc.world_size):
+        dev = f"cuda:{r}" if cuda else "cpu"
+        role = " + rollout (engine, envs, controller, scorer)" if r == 0 else ""
+        lines.append(f"  rank {r}: {dev}, trains its 1/{tc.world_size} of the batch{role}")
+    backend = "nccl" if cuda else "gloo"
+    launch = "torch multiprocessing (or torchrun)" if tc.world_size > 1 else "this process"
+    mode = "FSDP2" if tc.fsdp else "unsharded"
+    lines.append(f"  process group: {backend}, {mode}, launched by {launch}")
+    lines.append(
+        f"  engine: {cfg.engine.backend} on rank 0 ({'cuda:0' if cuda else 'cpu'}), "
+        "weights synced from the trainer after every update"
+    )
+    if not cuda:
+        lines.append("  (no GPU visible here: the same config places rank r on cuda:r)")
+    return lines
+
+
+def dry_run(cfg: ExperimentConfig) -> str:
+    """Text report: config, placement, memory estimate. Loads no weights."""
+    from agentree.parallel import check_train_config
+
+    check_train_config(cfg.train)
+    tc = cfg.train
+    est = estimate(cfg)
+    n = est["params"]
+    out = ["# resolved config", cfg.to_yaml().rstrip(), "", "# placement", *placement(cfg)]
+    lora = f"LoRA r={tc.lora.r}: {n['lora'] / 1e6:.3f}M trainable" if tc.lora.r else "full"
+    out += [
+        "",
+        "# memory estimate per training rank (weights not loaded)",
+        f"  architecture: {est['source']}",
+        f"  parameters: {n['total'] / 1e6:.2f}M ({lora}); largest layer {n['layer'] / 1e6:.2f}M",
+        f"  dtype {tc.dtype}, gradient checkpointing {tc.gradient_checkpointing}, "
+        f"micro-batch {est['tokens']} tokens (micro_batch_size x engine.max_context)",
+    ]
+    out += [f"  {k:<16} {v / GIB:10.3f} GiB" for k, v in est["per_rank"].items()]
+    out.append(f"  {'total':<16} {est['per_rank_total'] / GIB:10.3f} GiB")
+    out.append(
+        f"  engine weights on rank 0 (bf16): {est['engine_weights'] / GIB:.2f} GiB "
+        "(vLLM adds its KV cache: engine.vllm.gpu_memory_utilization)"
+    )
+    return "\n".join(out)

@@ -1,0 +1,302 @@
+"""Sharded training: 2 gloo ranks under FSDP2 compute the single-process update, with and
+without gradient accumulation and with LoRA; distributed checkpoints resume onto another world
+size; LoRA trains only adapters and exports a merged model; bf16 and checkpointing run.
+
+Tolerance of the FSDP-vs-one-process comparisons (fp32): rtol 1e-5, atol 1e-6 on every
+parameter after an AdamW step at lr 1e-3, where the step itself moves weights by ~1e-3.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from agentree.config import load_config
+from agentree.trainer import Trainer
+
+SMALL = [
+    "train.tasks_per_step=2",
+    "eval.tasks=2",
+    "eval.samples=1",
+    "engine.max_tokens=6",
+    "env.max_turns=4",
+    "rollout.K=2",
+    "train.trees_every=0",
+    "train.save_every=0",
+    "train.lr=1e-3",
+    "train.kl_coef=0.001",
+]
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+VARIANTS = {
+    "whole": ["train.micro_batch_size=64"],
+    "accumulate": ["train.micro_batch_size=1"],
+    "lora": ["train.micro_batch_size=2", "train.lora.r=4", "train.lora.alpha=8"],
+}
+"""Each trains on the fixed batch; `accumulate` gives each rank several micro-batches (and one
+an all-masked filler when their count is odd)."""
+
+
+def cfg_for(out: Path, *extra: str):
+    return load_config(
+        "frozenlake_patr", select={"steps": "2", "output": str(out)}, overrides=SMALL + list(extra)
+    )
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+
+
+def assert_same(got: dict, want: dict, moved_from: dict | None = None) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL, msg=k)
+    if moved_from is not None:  # the comparison can fail: the update moved the weights
+        moved = max(float((want[k] - moved_from[k]).abs().max()) for k in want)
+        assert moved > 100 * TOL["atol"]
+
+
+@pytest.fixture(scope="module")
+def fixed_batch(tmp_path_factory, tiny_frozenlake) -> Path:
+    """One rollout batch (trees, groups) from the tiny policy, on maps it sometimes solves."""
+    out = tmp_path_factory.mktemp("batch")
+    tr = Trainer(cfg_for(out), out, log=quiet)
+    tr.train_tasks = [
+        t.__class__(t.id, None, {"desc": ["SGF", "FFF", "FFF"]}) for t in tr.train_tasks[:4]
+    ]
+    tr._order, tr._cursor = [], 0
+    trees, trajs, _, _ = tr._collect()
+    tr.close()
+    usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
+    assert sum(len(ts) for _, ts in usable) >= 3
+    path = out / "batch.pt"
+    torch.save(([u[0] for u in usable], [u[1] for u in usable]), path)
+    return path
+
+
+def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> list[dict]:
+    """The reference: the update on one process (the ordinary trainer, or LoRA without FSDP)."""
+    from agentree.parallel import make_trainer
+
+    tr = make_trainer(cfg_for(out, *extra), out, log=quiet)
+    trees, groups = torch.load(batch, weights_only=False)
+    states = [full_state(tr.model)]
+    for step in range(updates):
+        tr.step = step  # the learning-rate schedule follows the step, as in the loop
+        tr.update(trees, groups)
+        states.append(full_state(tr.model))
+    tr.close()
+    return states
+
+
+def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from agentree.parallel import ParallelTrainer
+
+    trees, groups = torch.load(batch, weights_only=False)
+    for name, extra in VARIANTS.items():
+        run = out / name
+        cfg = cfg_for(run, *extra, "train.fsdp=true", f"train.world_size={world}")
+        tr = ParallelTrainer(cfg, run, log=quiet)
+        tr.update(trees, groups)
+        tr.step = 1
+        tr.sync_engine()
+        state = full_state(tr.model)
+        tr.save()
+        if rank == 0:
+            torch.save(state, run / "params.pt")
+            engine = {k: v.clone() for k, v in tr.rt.model.state_dict().items()}
+            torch.save(engine, run / "engine.pt")
+            tr.rt.close()
+    tr.close()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(fixed_batch, tmp_path_factory) -> Path:
+    """Every variant trained one step by 2 gloo ranks (one spawn for all: start-up dominates)."""
+    from agentree.parallel import free_port
+
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_rank_main, args=(2, free_port(), fixed_batch, out), nprocs=2)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["whole", "accumulate"])
+def test_two_fsdp_ranks_match_one_process(variant, two_ranks, fixed_batch, tmp_path):
+    init, want = single_process(fixed_batch, tmp_path, VARIANTS[variant], updates=1)
+    got = torch.load(two_ranks / variant / "params.pt")
+    assert_same(got, want, moved_from=init)
+    # rank 0's engine model received the trained weights
+    engine = torch.load(two_ranks / variant / "engine.pt")
+    for k, v in got.items():
+        torch.testing.assert_close(engine[k], v, rtol=0, atol=0)
+
+
+def test_two_fsdp_ranks_match_one_process_with_lora(two_ranks, fixed_batch, tmp_path):
+    init, want = single_process(fixed_batch, tmp_path, VARIANTS["lora"], updates=1)
+    got = torch.load(two_ranks / "lora" / "params.pt")
+    assert_same(got, want, moved_from=init)
+    # the engine runs the same adapters in place (its keys: the model's inside peft's wrapper)
+    engine = torch.load(two_ranks / "lora" / "engine.pt")
+    for k, v in got.items():
+        if ".lora_" in k:
+            assert torch.equal(engine[k.removeprefix("base_model.model.")], v)
+
+
+@pytest.mark.parametrize("variant", ["whole", "lora"])
+def test_distributed_checkpoint_resumes_on_one_rank(variant, two_ranks, fixed_batch, tmp_path):
+    """Saved by 2 ranks, resumed by 1 FSDP rank: weights and AdamW moments carry over, so the
+    next update equals two updates in one process."""
+    from agentree.parallel import ParallelTrainer
+
+    want = single_process(fixed_batch, tmp_path / "ref", VARIANTS[variant], updates=2)
+    run = two_ranks / variant
+    cfg = cfg_for(run, *VARIANTS[variant], "train.fsdp=true", "train.world_size=1")
+    tr = ParallelTrainer(cfg, run, log=quiet)
+    try:
+        assert tr.resume() and tr.step == 1
+        assert_same(full_state(tr.model), torch.load(run / "params.pt"))
+        trees, groups = torch.load(fixed_batch, weights_only=False)
+        tr.update(trees, groups)
+        assert_same(full_state(tr.model), want[2], moved_from=want[1])
+    finally:
+        tr.close()
+
+
+def _surrogate(tr, micro, old) -> float:
+    """The clipped objective of the fixed batch against the initial policy's log-probs."""
+    from agentree.batching import token_logprobs
+    from agentree.loss import loss_normalizer, policy_loss
+
+    tc = tr.cfg.train
+    norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
+    total = 0.0
+    with torch.no_grad():
+        for b, o in zip(micro, old, strict=True):
+            lp = token_logprobs(tr.model, b, 1.0)
+            loss, _ = policy_loss(
+                lp, o, b.adv, b.mask, eps_low=tc.eps_low, eps_high=tc.eps_high,
+                agg=tc.loss_agg, normalizer=norm,
+            )  # fmt: skip
+            total += float(loss)
+    return total
+
+
+def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from agentree.batching import token_logprobs
+    from agentree.cli import main
+    from agentree.lora import is_adapter_key
+    from agentree.parallel import ParallelTrainer, make_trainer
+
+    cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
+    tr = make_trainer(cfg, tmp_path / "run", log=quiet)
+    assert isinstance(tr, ParallelTrainer)
+    trees, groups = torch.load(fixed_batch, weights_only=False)
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    micro = tr.updater.batches(trees, groups)
+    with torch.no_grad():
+        old = [token_logprobs(tr.model, b, 1.0) for b in micro]
+    s0 = _surrogate(tr, micro, old)
+    for _ in range(4):
+        tr.update(trees, groups)
+    s1 = _surrogate(tr, micro, old)
+    assert s1 < s0 - 1e-3, (s0, s1)
+    after = tr.model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(is_adapter_key(k) for k in changed)
+    assert any(".lora_B." in k for k in changed)
+
+    tr.step = 4
+    tr.save()
+    out = tmp_path / "merged"
+    assert main(["export", str(tmp_path / "run"), "--output", str(out)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = micro[0].ids[:1, :12]
+    tr.model.eval()
+    with torch.no_grad():
+        a = tr.model.generate(input_ids=prompt, max_new_tokens=16, do_sample=False)
+        b = merged.generate(input_ids=prompt, max_new_tokens=16, do_sample=False)
+        # the merged weights give the adapted model's distribution, not just its argmax
+        torch.testing.assert_close(
+            merged(input_ids=a).logits, tr.model(input_ids=a).logits, rtol=1e-4, atol=1e-4
+        )
+    assert a.tolist() == b.tolist()
+    tr.close()
+
+
+def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
+    from agentree.parallel import ParallelTrainer, make_trainer
+
+    cfg = cfg_for(
+        tmp_path, "train.fsdp=true", "train.dtype=bf16", "train.gradient_checkpointing=true",
+        "train.micro_batch_size=2",
+    )  # fmt: skip
+    tr = make_trainer(cfg, tmp_path, log=quiet)
+    try:
+        assert isinstance(tr, ParallelTrainer)
+        before = full_state(tr.model)
+        assert all(v.dtype == torch.float32 for v in before.values())  # fp32 master weights
+        m = tr.train_step()
+        after = full_state(tr.model)
+        assert all(torch.isfinite(v).all() for v in after.values())
+        assert m["train/policy_tokens"] > 0 and torch.isfinite(torch.tensor(m["train/loss"]))
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        tr.close()
+
+
+def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
+    from agentree.parallel import make_trainer
+
+    with pytest.raises(ValueError, match=r"train\.fsdp=true"):
+        make_trainer(cfg_for(tmp_path, "train.dtype=bf16"), tmp_path)
+    with pytest.raises(ValueError, match=r"train\.fsdp=true"):
+        make_trainer(cfg_for(tmp_path, "train.world_size=2"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("config", "expect"),
+    [
+        ("configs/frozenlake_patr_qwen2.5_0.5b.yaml", "Qwen/Qwen2.5-0.5B-Instruct"),
+        ("configs/swebench_patr_qwen3_8b.yaml", "Qwen/Qwen3-8B"),
+    ],
+)
+def test_gpu_recipes_dry_run_without_weights(config, expect, capsys):
+    from agentree.cli import main
+
+    root = Path(__file__).parent.parent
+    assert main(["train", "--config", str(root / config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"built-in architecture table for {expect}" in out
+    assert "rank 0:" in out and "FSDP2" in out and "engine: vllm" in out
+    total = float(out.split("total")[-1].split("GiB")[0])
+    assert 1 < total < 80  # the recipes are sized for 80 GB GPUs (docs/scaling-memory.md)
+
+
+def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys):
+    """A local path is read from its config.json; the count is the real model's."""
+    from transformers import AutoModelForCausalLM
+
+    from agentree.cli import main
+
+    args = ["train", "--policy", str(tiny_frozenlake), "--dry-run", "--set", "train.lora.r=4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_frozenlake).parameters())
+    assert f"parameters: {n / 1e6:.2f}M (LoRA r=4" in out
