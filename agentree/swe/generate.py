@@ -408,10 +408,14 @@ def generate(
 
 
 def _image_bytes(names: list[str]) -> int:
+    """Disk of the images, counting the base image they all share once."""
     from agentree.swe import runtime
+    from agentree.swe.images import BASE_IMAGE
 
     api = runtime.client().api
-    return sum(int(api.inspect_image(n).get("Size") or 0) for n in names)
+    base = int(api.inspect_image(BASE_IMAGE).get("Size") or 0)
+    own = sum(int(api.inspect_image(n).get("Size") or 0) - base for n in names)
+    return base + own if names else 0
 
 
 def write_tasks(records: list[dict[str, Any]], output: Path) -> list[Path]:
