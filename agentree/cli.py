@@ -70,6 +70,7 @@ def _command_hooks() -> list[Callable[[Any], None]]:
     for module, name in (
         ("agentree.serve", "add_serve_command"),
         ("agentree.swe.cli", "add_swe_commands"),
+        ("agentree.sft", "add_sft_command"),
     ):
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             hooks.append(getattr(importlib.import_module(module), name))
