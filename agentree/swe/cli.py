@@ -20,7 +20,7 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
     swe = subparsers.add_parser(
         "swe", help="SWE sandboxes: local-suite images, generated tasks, cleanup"
     )
-    sub = swe.add_subparsers(dest="swe_command", metavar="{build-local,generate,cleanup}")
+    sub = swe.add_subparsers(dest="swe_command", metavar="{build-local,generate,warm,cleanup}")
     sub.required = True
 
     build = sub.add_parser(
@@ -59,6 +59,18 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
     )
     gen.add_argument("--repos", nargs="+", metavar="SLUG", help="only these local-suite repos")
     gen.set_defaults(func=generate_command)
+
+    warm = sub.add_parser(
+        "warm",
+        help="write expert trajectories for generated tasks and fine-tune the tiny SWE policy "
+        "on them (cached); prints the policy directory for --policy",
+    )
+    warm.add_argument("--tasks", required=True, help="generated tasks (the train split JSONL)")
+    warm.add_argument("--output", help="policy directory (default: the cache)")
+    warm.add_argument("--trajectories", help="also write the chat JSONL for `agentree sft`")
+    warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
+    warm.add_argument("--seed", type=int, default=0, help="weights and example order")
+    warm.set_defaults(func=warm_command)
 
     clean = sub.add_parser(
         "cleanup",
@@ -156,6 +168,37 @@ def generate_command(args: argparse.Namespace) -> int:
     if report.kept < args.n:
         print(f"note: only {report.kept} candidates passed validation (asked for {args.n})")
     return 0 if report.kept else 1
+
+
+def warm_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from agentree.swe import expert
+
+    try:
+        records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: cannot read the tasks file {args.tasks}: {e}", file=sys.stderr)
+        return 1
+    if not records or "mutation" not in records[0]:
+        print(
+            f"error: {args.tasks} is not a file of generated tasks (run `agentree swe "
+            "generate` first)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.trajectories:
+        written, skipped = expert.write_trajectories(records, Path(args.trajectories))
+        print(f"wrote {written} trajectories to {args.trajectories} ({skipped} skipped)")
+    cfg = expert.WarmConfig(seed=args.seed, **({"epochs": args.epochs} if args.epochs else {}))
+    out = Path(args.output) if args.output else None
+    try:
+        path = expert.warm_policy(records, cfg, out_dir=out, log=_say)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def cleanup_command(args: argparse.Namespace) -> int:

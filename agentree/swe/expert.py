@@ -77,16 +77,16 @@ def fix_action(path: str, buggy: str, fixed: str) -> str:
 
 
 def _core(old: str, new: str) -> tuple[int, int]:
-    """Lengths of the common prefix and suffix, widened to whole words."""
+    """Lengths of the common prefix and suffix, widened to whitespace-separated words."""
     lo = 0
     while lo < min(len(old), len(new)) and old[lo] == new[lo]:
         lo += 1
     hi = 0
     while hi < min(len(old), len(new)) - lo and old[-1 - hi] == new[-1 - hi]:
         hi += 1
-    while lo > 0 and (old[lo - 1].isalnum() or old[lo - 1] == "_"):
+    while lo > 0 and not old[lo - 1].isspace():
         lo -= 1
-    while hi > 0 and (old[len(old) - hi].isalnum() or old[len(old) - hi] == "_"):
+    while hi > 0 and not old[len(old) - hi].isspace():
         hi -= 1
     if old[lo : len(old) - hi] == "":  # pure insertion: anchor on the previous character
         lo = max(lo - 1, 0)
