@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import random
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -235,15 +236,17 @@ class WarmConfig(BaseModel):
     """BPE vocabulary trained on the trajectories (keeps identifiers and operators whole)."""
     min_frequency: int = Field(2, ge=1)
     """A pair must occur this often to be merged."""
-    hidden_size: int = 256
+    hidden_size: int = 192
     """Model width (the default tiny policy has 128)."""
-    num_layers: int = 4
+    num_layers: int = 3
     """Transformer blocks (the default tiny policy has 2)."""
     num_heads: int = 4
     """Attention heads."""
-    intermediate_size: int = 1024
+    intermediate_size: int = 768
     """MLP width."""
-    epochs: int = Field(8, ge=1)
+    max_trajectories: int = Field(64, ge=1)
+    """Expert trajectories fine-tuned on (a seeded sample of the tasks; a CPU-time budget)."""
+    epochs: int = Field(4, ge=1)
     """Passes over the expert trajectories."""
     lr: float = Field(2e-3, gt=0)
     """Peak learning rate (a randomly initialised model needs a large one)."""
@@ -275,6 +278,8 @@ def warm_policy(
     convs = [t for r in records if (t := trajectory(r)) is not None]
     if not convs:
         raise ValueError("no expert trajectory could be made from these tasks")
+    if len(convs) > cfg.max_trajectories:
+        convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
     key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 1})
     target = out_dir or cache_root() / "swe-warm" / key
     if (target / "config.json").exists():
