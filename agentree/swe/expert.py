@@ -246,12 +246,12 @@ class WarmConfig(BaseModel):
     """MLP width."""
     max_trajectories: int = Field(64, ge=1)
     """Expert trajectories fine-tuned on (a seeded sample of the tasks; a CPU-time budget)."""
-    epochs: int = Field(4, ge=1)
+    epochs: int = Field(3, ge=1)
     """Passes over the expert trajectories."""
     lr: float = Field(2e-3, gt=0)
     """Peak learning rate (a randomly initialised model needs a large one)."""
-    batch_size: int = Field(8, ge=1)
-    """Trajectories per optimiser step."""
+    batch_size: int = Field(2, ge=1)
+    """Trajectories per optimiser step (small: on CPU, updates are what the budget buys)."""
     seed: int = 0
     """Seed of the weights and the example order."""
 
