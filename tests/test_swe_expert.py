@@ -70,3 +70,33 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
     finally:
         env.close()
     assert_no_leftovers(allow_spares=True)
+
+
+def test_warm_policy_learns_the_expert_and_keeps_commands_whole(tmp_path):
+    from transformers import AutoTokenizer
+
+    cands = generate.candidates(["roman"])[:4]
+    records = [
+        generate.make_record(c, ["tests/t.py::test_a"], ["tests/t.py::test_b"], "E   boom", "train")
+        for c in cands
+    ]
+    cfg = expert.WarmConfig(
+        vocab_size=400,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_trajectories=4,
+        epochs=3,
+        batch_size=2,
+        lr=3e-3,
+    )
+    path = expert.warm_policy(records, cfg, out_dir=tmp_path / "warm", log=lambda _: None)
+    summary = json.loads((path / "sft.json").read_text())
+    assert summary["examples"] == 4
+    assert summary["epoch_loss"][-1] < summary["epoch_loss"][0]
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.tokenize("sed -i '") == ["sed -i '"]
+    assert tok.tokenize(expert.TEST_RUN) == [expert.TEST_RUN]
+    # built once: a second call with the same tasks and settings reuses the directory
+    assert expert.warm_policy(records, cfg, out_dir=path) == path
