@@ -26,8 +26,8 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 ROLLOUT_SETS = {
     # PATR: B0 branches, advance K turns, expand top_k by M children each (forking containers)
@@ -132,19 +132,24 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1, help="held-out samples per task")
     ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--parallel", action="store_true", help="run all (rollout, seed) at once")
     ap.add_argument("--keep", help="keep run directories under this folder")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
-    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         held = Path(f"{args.tasks}.heldout.jsonl").read_text().splitlines()[: args.heldout_n]
         heldout = root / "heldout.jsonl"
         heldout.write_text("\n".join(held) + "\n")
-        for seed in args.seeds:
-            for rollout in args.rollouts:
-                results.append(run(rollout, seed, root / f"{rollout}-seed{seed}", args, heldout))
+        jobs = [(r, s) for s in args.seeds for r in args.rollouts]
+        # --parallel runs every (rollout, seed) at once: on a shared machine the wall time
+        # then measures contention, so compare env steps, forks and resolved rates instead
+        with ThreadPoolExecutor(len(jobs) if args.parallel else 1) as pool:
+            futures = [
+                pool.submit(run, r, s, root / f"{r}-seed{s}", args, heldout) for r, s in jobs
+            ]
+            results = [f.result() for f in futures]
     head = f"{'rollout':>7} {'seed':>4} {'wall':>6} {'env steps':>9} {'forks':>5} {'scorer':>6}"
     print(head + f" {'sandbox/step':>12} {'containers':>10}  held-out resolved (env steps: %)")
     for r in results:
