@@ -79,6 +79,7 @@ def _command_hooks() -> list[Callable[[Any], None]]:
         ("agentree.view", "add_view_command"),
         ("agentree.plot", "add_plot_command"),
         ("agentree.export", "add_export_command"),
+        ("agentree.sft", "add_sft_command"),
     ):
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             hooks.append(getattr(importlib.import_module(module), name))

@@ -126,6 +126,12 @@ class SWEEnv(Env):
             ensure_image(inst, build=self.config.build_local, progress=_notify)
             sb = Sandbox(inst.image, self._sandbox_config(inst))
             try:
+                if inst.prepare_script:
+                    r = sb.exec(inst.prepare_script, timeout=300)
+                    if r.returncode != 0:
+                        raise SandboxError(
+                            f"preparing {inst.instance_id} failed: {r.output[-400:]}"
+                        )
                 if inst.setup_script:
                     r = sb.exec(inst.setup_script, timeout=300)
                     if r.returncode != 0:

@@ -1,4 +1,5 @@
-"""`agentree swe ...` subcommands: build the local-suite images, clean up after crashed runs.
+"""`agentree swe ...` subcommands: build the local-suite images, generate bug-fix tasks from
+them, clean up after crashed runs.
 
 The main CLI calls `add_swe_commands(subparsers)`; each command stores its handler in
 `args.func`, which takes the parsed args and returns an exit code. `python -m agentree.swe.cli`
@@ -8,15 +9,18 @@ runs the same commands on their own.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
 
 
 def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `swe build-local` and `swe cleanup` under a `swe` command."""
-    swe = subparsers.add_parser("swe", help="SWE sandboxes: local-suite images and cleanup")
-    sub = swe.add_subparsers(dest="swe_command", metavar="{build-local,cleanup}")
+    """Register `swe build-local`, `swe generate` and `swe cleanup` under a `swe` command."""
+    swe = subparsers.add_parser(
+        "swe", help="SWE sandboxes: local-suite images, generated tasks, cleanup"
+    )
+    sub = swe.add_subparsers(dest="swe_command", metavar="{build-local,generate,warm,cleanup}")
     sub.required = True
 
     build = sub.add_parser(
@@ -30,6 +34,43 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         "--only", nargs="+", metavar="ID", help="instance ids (or task folder names) to build"
     )
     build.set_defaults(func=build_local_command)
+
+    gen = sub.add_parser(
+        "generate",
+        help="inject bugs into the local-suite repositories and keep those its tests catch "
+        "(SWE-bench records with a train/held-out split)",
+    )
+    gen.add_argument("--n", type=int, default=100, help="tasks to keep (default 100)")
+    gen.add_argument(
+        "--output",
+        required=True,
+        help="JSONL file of all tasks; the splits are "
+        "written next to it as <stem>.train.jsonl and <stem>.heldout.jsonl",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="order of candidates and the split")
+    gen.add_argument(
+        "--split-by",
+        choices=("file", "kind"),
+        default="file",
+        help="what the held-out set keeps out of training: whole source files or mutation kinds",
+    )
+    gen.add_argument(
+        "--heldout", type=float, default=0.25, help="share of tasks held out (default 0.25)"
+    )
+    gen.add_argument("--repos", nargs="+", metavar="SLUG", help="only these local-suite repos")
+    gen.set_defaults(func=generate_command)
+
+    warm = sub.add_parser(
+        "warm",
+        help="write expert trajectories for generated tasks and fine-tune the tiny SWE policy "
+        "on them (cached); prints the policy directory for --policy",
+    )
+    warm.add_argument("--tasks", required=True, help="generated tasks (the train split JSONL)")
+    warm.add_argument("--output", help="policy directory (default: the cache)")
+    warm.add_argument("--trajectories", help="also write the chat JSONL for `agentree sft`")
+    warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
+    warm.add_argument("--seed", type=int, default=0, help="weights and example order")
+    warm.set_defaults(func=warm_command)
 
     clean = sub.add_parser(
         "cleanup",
@@ -63,6 +104,100 @@ def build_local_command(args: argparse.Namespace) -> int:
         print(f"built {len(built)} image(s) in {took:.1f}s")
     else:
         print("all local-suite images are up to date")
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from agentree.swe import generate, local_suite, runtime
+
+    if args.n < 1 or not 0.0 <= args.heldout < 1.0:
+        print("error: --n must be at least 1 and --heldout in [0, 1)", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.repos or ()) - set(local_suite.slugs()))
+    if unknown:
+        print(
+            f"error: not local-suite repositories: {unknown}; choose from "
+            f"{list(local_suite.slugs())}",
+            file=sys.stderr,
+        )
+        return 2
+    columns = (
+        TextColumn("kept {task.fields[kept]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tried, last: {task.fields[last]}"),
+    )
+    try:
+        with Progress(*columns, transient=True) as bar:
+            total = len(generate.candidates(args.repos))
+            task = bar.add_task("generate", total=total, kept=0, last="")
+
+            def tick(kept: int, tried: int, last: str) -> None:
+                bar.update(task, completed=tried, kept=kept, last=last)
+
+            records, report = generate.generate(
+                args.n,
+                seed=args.seed,
+                slugs=args.repos,
+                split_by=args.split_by,
+                heldout=args.heldout,
+                progress=tick,
+            )
+    except (runtime.DockerUnavailable, RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.output)
+    paths = generate.write_tasks(records, out)
+    summary = report.to_dict()
+    out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    rejected = ", ".join(f"{k} {v}" for k, v in summary["rejected"].items()) or "none"
+    print(
+        f"kept {report.kept} of {report.tried} candidates tried ({report.candidates} possible); "
+        f"rejected: {rejected}"
+    )
+    print(f"kinds: {summary['kept_by_kind']}")
+    print(
+        f"split by {args.split_by}: {report.train} train, {report.heldout} held out; "
+        f"{len(report.images)} image(s), {summary['image_disk_mb']} MB; {report.wall_s:.1f}s"
+    )
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if report.kept < args.n:
+        print(f"note: only {report.kept} candidates passed validation (asked for {args.n})")
+    return 0 if report.kept else 1
+
+
+def warm_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from agentree.swe import expert
+
+    try:
+        records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: cannot read the tasks file {args.tasks}: {e}", file=sys.stderr)
+        return 1
+    if not records or "mutation" not in records[0]:
+        print(
+            f"error: {args.tasks} is not a file of generated tasks (run `agentree swe "
+            "generate` first)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.trajectories:
+        written, skipped = expert.write_trajectories(records, Path(args.trajectories))
+        print(f"wrote {written} trajectories to {args.trajectories} ({skipped} skipped)")
+    cfg = expert.WarmConfig(seed=args.seed, **({"epochs": args.epochs} if args.epochs else {}))
+    out = Path(args.output) if args.output else None
+    try:
+        path = expert.warm_policy(records, cfg, out_dir=out, log=_say)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

@@ -71,7 +71,8 @@ def grade(
     cfg = config or SandboxConfig(env=instance.env)
     sb = Sandbox(instance.image, cfg)
     try:
-        applied, apply_log = _apply(sb, patch)
+        _prepare(sb, instance)
+        applied, apply_log = _apply(sb, patch, instance)
         if not applied:
             return GradeResult(
                 False,
@@ -102,7 +103,16 @@ def grade(
         sb.close()
 
 
-def _apply(sb: Sandbox, patch: str) -> tuple[bool, str]:
+def _prepare(sb: Sandbox, instance: SWEInstance) -> None:
+    from agentree.swe.sandbox import SandboxError
+
+    if instance.prepare_script:
+        r = sb.exec(instance.prepare_script, timeout=300)
+        if r.returncode != 0:
+            raise SandboxError(f"preparing {instance.instance_id} failed: {r.output[-400:]}")
+
+
+def _apply(sb: Sandbox, patch: str, instance: SWEInstance) -> tuple[bool, str]:
     if not patch.strip():
         return True, "empty patch: nothing to apply"
     body = patch if patch.endswith("\n") else patch + "\n"
@@ -110,6 +120,7 @@ def _apply(sb: Sandbox, patch: str) -> tuple[bool, str]:
     for i, cmd in enumerate(APPLY_CMDS):
         if i:
             sb.recreate()  # a failed attempt (--3way, --reject) can leave a half-applied tree
+            _prepare(sb, instance)
         sb.write_file(PATCH_PATH, body)
         r = sb.exec(f"cd /testbed && {cmd} {PATCH_PATH}", timeout=120, max_output=20_000)
         if r.returncode == 0:

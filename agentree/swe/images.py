@@ -210,11 +210,8 @@ def _build_one(slug: str, rec: dict[str, Any]) -> str:
 def ensure_image(instance: SWEInstance, *, build: bool = True, progress: Progress = _quiet) -> None:
     """Make sure `instance.image` exists locally: build local-suite images, pull others."""
     if instance.image.startswith(local_suite.IMAGE_REPO + ":"):
-        slug = local_suite.slug_of(instance.instance_id)
-        if slug is not None and (
-            local_suite.image_name(instance.instance_id) == instance.image
-            and not local_image_current(slug)
-        ):
+        slug = local_suite.slug_of_image(instance.image)  # generated tasks share these images
+        if slug is not None and not local_image_current(slug):
             if not build:
                 raise SandboxError(
                     f"local-suite image {instance.image} is missing; run `agentree swe build-local`"
@@ -238,11 +235,7 @@ def ensure_images(
 ) -> None:
     """`ensure_image` for many instances, building the local-suite ones in one pass."""
     todo = list(instances)
-    local = [
-        i.instance_id
-        for i in todo
-        if i.image.startswith(local_suite.IMAGE_REPO + ":") and local_suite.slug_of(i.instance_id)
-    ]
+    local = sorted({s for i in todo if (s := local_suite.slug_of_image(i.image)) is not None})
     if local and build:
         build_local(only=local, progress=progress)
     for inst in todo:

@@ -54,6 +54,10 @@ class SWEInstance:
     hints_text: str = ""
     setup_script: str = ""
     """Shell run once when an agent sandbox starts (e.g. to hide held-out tests)."""
+    prepare_script: str = ""
+    """Shell run first in every fresh container, agent's and grader's alike: puts the
+    repository at `base_commit` when the image holds another state (generated tasks share
+    their repository's image)."""
     hidden_paths: tuple[str, ...] = ()
     """Repository paths left out of the submitted diff."""
     env: tuple[tuple[str, str], ...] = ()
@@ -84,6 +88,8 @@ class SWEInstance:
         }
         if self.setup_script:
             rec["setup_script"] = self.setup_script
+        if self.prepare_script:
+            rec["prepare_script"] = self.prepare_script
         if self.hidden_paths:
             rec["hidden_paths"] = list(self.hidden_paths)
         if self.env:
@@ -174,6 +180,7 @@ def from_swebench(r: dict[str, Any]) -> SWEInstance:
         eval_type=str(r.get("eval_type") or default_eval_type(repo)),
         hints_text=str(r.get("hints_text") or ""),
         setup_script=str(r.get("setup_script") or ""),
+        prepare_script=str(r.get("prepare_script") or ""),
         hidden_paths=tuple(r.get("hidden_paths") or ()),
         env=tuple(sorted((str(k), str(v)) for k, v in dict(env).items())),
         expected_output=_json_dict(r.get("expected_output_json")),

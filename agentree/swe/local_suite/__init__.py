@@ -127,6 +127,14 @@ def slug_of(instance_id: str) -> str | None:
     return None
 
 
+def slug_of_image(image: str) -> str | None:
+    """The task folder whose local-suite image this is (None for other images)."""
+    for s in slugs():
+        if image_name(record(s)["instance_id"]) == image:
+            return s
+    return None
+
+
 def content_hash(slug: str) -> str:
     """Changes whenever the repository content (and so the image) must change."""
     h = hashlib.sha256()

@@ -1,0 +1,374 @@
+"""Supervised fine-tuning on agent trajectories: `agentree sft`.
+
+Two sources of examples:
+- chat JSONL, one `{"messages": [...]}` per line (the format SWE-Gym, SWE-smith and R2E-Gym
+  trajectories come in): system/user/assistant turns, tool or observation turns read as user
+  turns, because that is how agentree delivers observations;
+- agentree tree files (a run, rollout or eval directory, or a folder of tree JSON), keeping the
+  trajectories whose reward is at least `min_reward`: rejection-sampling fine-tuning on earlier
+  rollouts. Their token ids and loss masks are used exactly as sampled.
+
+Chat messages are tokenised with `agentree.chat.ChatFormat`, the token-in/token-out code the
+rollouts use: `prompt_ids(first user turn, system)`, then each assistant turn's ids followed by
+`observation_ids` of the next user turn. A fine-tuned checkpoint therefore sees in training the
+same token layout it will condition on in `agentree train --policy DIR`. The loss is the mean
+next-token cross-entropy over assistant tokens only (each assistant turn plus the end-of-turn
+token that closes it, so the model learns to stop).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OBSERVATION_ROLES = frozenset({"user", "tool", "ipython", "function", "observation"})
+
+
+class SFTConfig(BaseModel):
+    """Optimisation settings of one fine-tuning run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epochs: int = Field(1, ge=1)
+    """Passes over the examples."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate (AdamW); cosine decay to 10% after a 5% warm-up."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    batch_size: int = Field(8, ge=1)
+    """Examples per optimiser step."""
+    max_length: int = Field(4096, ge=2)
+    """Longer examples are cut to their first `max_length` tokens."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max global gradient norm."""
+    seed: int = 0
+    """Seeds the example order."""
+    dtype: str = "auto"
+    """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto, cpu, cuda, ..."""
+
+
+@dataclass
+class SFTExample:
+    """Token ids of one conversation and a mask that is 1 exactly on the tokens to learn."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def num_target_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+# -- examples ------------------------------------------------------------------------------------
+def example_from_messages(
+    chat: Any, messages: Sequence[dict[str, Any]], system: str | None = None
+) -> SFTExample:
+    """Tokenise a conversation the way the rollouts do; mask = assistant tokens + end of turn.
+
+    `chat` is an `agentree.chat.ChatFormat`. `system` is used when the conversation has no
+    system message of its own (the env's system prompt, so the layout matches RL rollouts).
+    """
+    msgs = [m for m in messages if str(m.get("content") or "").strip() or m["role"] == "assistant"]
+    if msgs and msgs[0]["role"] == "system":
+        system, msgs = str(msgs[0]["content"]), msgs[1:]
+    turns = _merge_observations(msgs)
+    if not turns or turns[0][0] != "user":
+        raise ValueError("a conversation must start with a user message (after the system one)")
+    if not any(role == "assistant" for role, _ in turns):
+        raise ValueError("a conversation without an assistant message has nothing to learn")
+    ids = chat.prompt_ids(turns[0][1], system)
+    mask = [0] * len(ids)
+    action: list[int] = []
+    for role, content in turns[1:]:
+        if role == "assistant":
+            action = [*chat.encode(content), chat.end_of_turn_id]
+            ids += action
+            mask += [1] * len(action)
+        else:
+            obs = chat.observation_ids(content, action)
+            ids += obs
+            mask += [0] * len(obs)
+    while mask and mask[-1] == 0:  # an observation after the last answer teaches nothing
+        ids.pop()
+        mask.pop()
+    return SFTExample(ids, mask)
+
+
+def _merge_observations(msgs: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(role, content) turns alternating user/assistant; consecutive observations joined."""
+    out: list[tuple[str, str]] = []
+    for m in msgs:
+        role = m["role"]
+        if role in OBSERVATION_ROLES:
+            role = "user"
+        elif role != "assistant":
+            raise ValueError(f"unsupported message role {role!r} (system, user, assistant, tool)")
+        content = str(m.get("content") or "")
+        if out and out[-1][0] == role:
+            if role == "assistant":
+                raise ValueError("two assistant messages in a row; merge them or add the reply")
+            out[-1] = (role, out[-1][1] + "\n\n" + content)
+        else:
+            out.append((role, content))
+    return out
+
+
+def read_chat_jsonl(path: str | Path) -> list[list[dict[str, Any]]]:
+    """Conversations of a chat JSONL file (`{"messages": [...]}` per line)."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not JSON ({e.msg})") from None
+        msgs = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(msgs, list):
+            raise ValueError(f"{path}:{n} has no 'messages' list")
+        out.append(msgs)
+    return out
+
+
+def examples_from_trees(
+    trees: Iterable[Any], min_reward: float | None = None
+) -> tuple[list[SFTExample], int]:
+    """(examples, trajectories seen): every finished trajectory with reward >= `min_reward`."""
+    out, seen = [], 0
+    for tree in trees:
+        for t in tree.trajectories():
+            seen += 1
+            if min_reward is None or t.reward >= min_reward:
+                out.append(SFTExample(list(t.token_ids), list(t.loss_mask)))
+    return out, seen
+
+
+def find_tree_files(directory: str | Path) -> list[Path]:
+    """Tree JSON files under a run/rollout/eval directory or a folder of trees."""
+    root = Path(directory)
+    files = sorted(p for p in root.rglob("*.json") if p.parent.name == "trees" or p.parent == root)
+    return [p for p in files if _is_tree_file(p)]
+
+
+def _is_tree_file(path: Path) -> bool:
+    with open(path) as f:
+        head = f.read(64)
+    return '"format": "agentree.tree/' in head
+
+
+def load_examples(
+    source: str | Path,
+    chat: Any,
+    *,
+    min_reward: float | None = None,
+    system: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[SFTExample]:
+    """Examples from a chat JSONL file or a directory of agentree trees."""
+    from agentree.tree import Tree
+
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {path} does not exist")
+    if path.is_dir():
+        files = find_tree_files(path)
+        if not files:
+            raise ValueError(f"{path} holds no agentree tree files (trees/*.json)")
+        examples, seen = examples_from_trees((Tree.load(f) for f in files), min_reward)
+        log(f"{len(examples)} of {seen} trajectories from {len(files)} trees kept")
+    else:
+        if min_reward is not None:
+            raise ValueError("--min-reward filters agentree trees; chat JSONL has no rewards")
+        examples = [example_from_messages(chat, m, system) for m in read_chat_jsonl(path)]
+        log(f"{len(examples)} conversations from {path}")
+    if not examples:
+        raise ValueError(f"no training examples in {path} (lower --min-reward?)")
+    return examples
+
+
+# -- training ------------------------------------------------------------------------------------
+def run_sft(
+    policy_path: str | Path,
+    examples: Sequence[SFTExample] | Sequence[Sequence[dict[str, Any]]],
+    output: str | Path,
+    cfg: SFTConfig | None = None,
+    *,
+    system: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Fine-tune the causal LM at `policy_path` and save it (model + tokenizer) to `output`.
+
+    `examples` are `SFTExample`s or conversations (lists of chat messages, tokenised here with
+    the policy's chat format; `system` fills in a missing system message). Returns a summary
+    (losses per epoch, tokens, wall time), also written to `output/sft.json`.
+    """
+    import torch
+
+    from agentree.chat import ChatFormat
+    from agentree.engines.hf import load_policy
+
+    cfg = cfg or SFTConfig()
+    t0 = time.perf_counter()
+    model, tokenizer = load_policy(policy_path, dtype=cfg.dtype, device=cfg.device)
+    data = [
+        e if isinstance(e, SFTExample) else example_from_messages(ChatFormat(tokenizer), e, system)
+        for e in examples
+    ]
+    data = [_truncate(e, cfg.max_length) for e in data]
+    data = [e for e in data if e.num_target_tokens > 0]
+    if not data:
+        raise ValueError("no example has assistant tokens to learn (check max_length)")
+    too_big = max(max(e.token_ids) for e in data)
+    if too_big >= len(tokenizer):
+        raise ValueError(
+            f"token id {too_big} is outside the policy's vocabulary ({len(tokenizer)}): the "
+            "trees were sampled by a policy with another tokenizer"
+        )
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.epochs * math.ceil(len(data) / cfg.batch_size)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rng = random.Random(cfg.seed)
+    dev = next(model.parameters()).device
+    model.train()
+    epoch_loss: list[float] = []
+    step = 0
+    for epoch in range(cfg.epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        total, count = 0.0, 0
+        for s in range(0, len(order), cfg.batch_size):
+            batch = [data[i] for i in order[s : s + cfg.batch_size]]
+            for g in opt.param_groups:
+                g["lr"] = _lr(cfg.lr, step, steps)
+            loss, n = sft_loss(model, batch, pad, dev)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            total += float(loss.detach()) * n
+            count += n
+            step += 1
+        epoch_loss.append(total / max(count, 1))
+        log(f"sft epoch {epoch + 1}/{cfg.epochs}: loss {epoch_loss[-1]:.4f}")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "policy": str(policy_path),
+        "examples": len(data),
+        "target_tokens": sum(e.num_target_tokens for e in data),
+        "steps": steps,
+        "epoch_loss": epoch_loss,
+        "config": cfg.model_dump(),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+    (out / "sft.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def sft_loss(model: Any, batch: Sequence[SFTExample], pad: int, device: Any) -> tuple[Any, int]:
+    """(mean cross-entropy over the batch's masked target tokens, number of those tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    length = max(len(e.token_ids) for e in batch)
+    ids = torch.full((len(batch), length), pad, dtype=torch.long)
+    attn = torch.zeros(len(batch), length, dtype=torch.long)
+    mask = torch.zeros(len(batch), length)
+    for i, e in enumerate(batch):
+        ids[i, : len(e.token_ids)] = torch.tensor(e.token_ids)
+        attn[i, : len(e.token_ids)] = 1
+        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float)
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    # logits at position t predict token t+1
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    target = mask[:, 1:]
+    n = int(target.sum())
+    return (nll * target).sum() / max(n, 1), n
+
+
+def _truncate(e: SFTExample, max_length: int) -> SFTExample:
+    if len(e.token_ids) <= max_length:
+        return e
+    return SFTExample(e.token_ids[:max_length], e.loss_mask[:max_length])
+
+
+def _lr(peak: float, step: int, steps: int) -> float:
+    warm = max(1, steps // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(steps - warm, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# -- command line --------------------------------------------------------------------------------
+def add_sft_command(sub: Any) -> None:
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL or agentree trees")
+    p.add_argument("--env", help="env whose system prompt (and tiny policy) to use")
+    p.add_argument("--config", help="config name or YAML file (env settings, policy)")
+    p.add_argument("--data", required=True, help="chat JSONL file, or a run/trees directory")
+    p.add_argument("--output", required=True, help="directory for the fine-tuned policy")
+    p.add_argument("--policy", help="policy to start from (default: the config's, e.g. tiny)")
+    p.add_argument("--min-reward", type=float, help="keep tree trajectories with reward >= this")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per optimiser step")
+    p.add_argument("--max-length", type=int, default=4096, help="tokens per example at most")
+    p.add_argument("--seed", type=int, default=0, help="example order seed")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args: Any) -> int:
+    from agentree.chat import ChatFormat
+    from agentree.config import load_config
+    from agentree.envs.base import env_class
+    from agentree.runtime import resolve_policy
+
+    cfg = load_config(
+        args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
+    )
+    policy = resolve_policy(cfg, print)
+    env_name, env_kwargs = cfg.component("env")
+    env = env_class(env_name)(**env_kwargs)
+    try:
+        system = env.system_prompt
+    finally:
+        env.close()
+    from transformers import AutoTokenizer
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
+    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
+    sft = SFTConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        seed=args.seed,
+        dtype=cfg.policy.dtype,
+        device=cfg.policy.device,
+    )
+    summary = run_sft(policy, examples, args.output, sft)
+    losses = summary["epoch_loss"]
+    print(
+        f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "
+        f"tokens), loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary['wall_s']:.0f}s; "
+        f"continue with: agentree train --policy {args.output}"
+    )
+    return 0

@@ -1,0 +1,310 @@
+"""Scripted expert trajectories on generated tasks, and the warm-started tiny SWE policy.
+
+The expert works the way a mini-swe-agent run on these tasks does, one bash command a turn:
+show the source file the failing tests point at (`cat -n`), edit the faulty line(s) (`sed -i`
+for a one-line fix, a short python script otherwise), run the tests, submit. Each trajectory is
+a chat conversation (instance prompt, then assistant actions and observations rendered with the
+env's own templates), written as chat JSONL for `agentree sft`.
+
+Observations are computed from the task's files rather than recorded from a container: `cat -n`
+of the buggy file and an edit's empty output are exact; the test run is shown as pytest's
+summary for the tests the task lists. `check_edit` replays every edit command's effect in Python
+and drops a trajectory whose edit would not reproduce the fixed file, and the tests replay whole
+trajectories in Docker through `SWEEnv`, graded.
+
+`warm_policy` builds (once, cached by content) a tokenizer trained on the trajectories with the
+command vocabulary as single tokens, a Qwen2 model larger than the default tiny one, and
+fine-tunes it on the trajectories with `agentree.sft.run_sft`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentree.envs.swe import SENTINEL, SUBMIT_ACTION
+from agentree.prompts import render
+
+TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
+ATOMIC = (
+    "THOUGHT:",
+    "```bash\n",
+    "cat -n ",
+    "sed -i '",
+    "python3 - <<'EOF'",
+    "import pathlib",
+    TEST_RUN,
+    f"echo {SENTINEL}",
+)
+"""Command pieces that become single tokens: well-formed actions are then short sequences."""
+
+
+# -- trajectories ----------------------------------------------------------------------------
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def fix_action(path: str, buggy: str, fixed: str) -> str:
+    """A command that turns `buggy` into `fixed` (sed for a one-line change, python otherwise)."""
+    a, b = _lines(buggy), _lines(fixed)
+    ops = [op for op in difflib.SequenceMatcher(a=a, b=b).get_opcodes() if op[0] != "equal"]
+    if (
+        len(ops) == 1
+        and ops[0][0] == "replace"
+        and ops[0][2] - ops[0][1] == 1 == ops[0][4] - ops[0][3]
+    ):
+        _, i, _, j, _ = ops[0]
+        old, new = a[i].rstrip("\n"), b[j].rstrip("\n")
+        lo, hi = _core(old, new)
+        if "/" not in old + new and "'" not in old[lo:] + new[lo:]:
+            pat = _sed_escape(old[lo : len(old) - hi])
+            rep = new[lo : len(new) - hi].replace("\\", "\\\\").replace("&", "\\&")
+            thought = f"line {i + 1} of {path} is wrong; fix it."
+            return _action(thought, f"sed -i '{i + 1}s/{pat}/{rep}/' {path}")
+    old_text, new_text = _hunk(a, b, ops)
+    script = (
+        "python3 - <<'EOF'\nimport pathlib\n"
+        f"p = pathlib.Path({path!r})\n"
+        f"p.write_text(p.read_text().replace({old_text!r}, {new_text!r}, 1))\nEOF"
+    )
+    return _action(f"restore the missing logic in {path}.", script)
+
+
+def _core(old: str, new: str) -> tuple[int, int]:
+    """Lengths of the common prefix and suffix, widened to whitespace-separated words."""
+    lo = 0
+    while lo < min(len(old), len(new)) and old[lo] == new[lo]:
+        lo += 1
+    hi = 0
+    while hi < min(len(old), len(new)) - lo and old[-1 - hi] == new[-1 - hi]:
+        hi += 1
+    while lo > 0 and not old[lo - 1].isspace():
+        lo -= 1
+    while hi > 0 and not old[len(old) - hi].isspace():
+        hi -= 1
+    if old[lo : len(old) - hi] == "":  # pure insertion: anchor on the previous character
+        lo = max(lo - 1, 0)
+    while old.find(old[lo : len(old) - hi]) != lo:  # sed edits the first match: make it this one
+        lo -= 1
+    return lo, hi
+
+
+def _sed_escape(s: str) -> str:
+    return re.sub(r"([\\.*\[\]^$])", r"\\\1", s)
+
+
+def _hunk(a: list[str], b: list[str], ops: list) -> tuple[str, str]:
+    """The smallest span of lines covering every change, with one line of context each side."""
+    i0 = max(min(op[1] for op in ops) - 1, 0)
+    i1 = min(max(op[2] for op in ops) + 1, len(a))
+    j0 = max(min(op[3] for op in ops) - 1, 0)
+    j1 = min(max(op[4] for op in ops) + 1, len(b))
+    return "".join(a[i0:i1]), "".join(b[j0:j1])
+
+
+def _action(thought: str, command: str) -> str:
+    return f"THOUGHT: {thought}\n\n```bash\n{command}\n```"
+
+
+def check_edit(command: str, buggy: str, fixed: str) -> bool:
+    """Replay an edit command's effect in Python: does it turn `buggy` into `fixed`?"""
+    m = re.fullmatch(r"sed -i '(\d+)s/((?:[^/\\]|\\.)*)/((?:[^/\\]|\\.)*)/' \S+", command)
+    if m:
+        n, pat, rep = int(m.group(1)), m.group(2), m.group(3)
+        lines = _lines(buggy)
+        body = lines[n - 1].rstrip("\n")
+        rep_py = rep.replace("\\&", "\0").replace("\\\\", "\\").replace("\0", "&")
+        # the pattern is a sed basic regex whose only escapes are literal characters
+        literal = re.sub(r"\\(.)", r"\1", pat)
+        if literal not in body:
+            return False
+        lines[n - 1] = body.replace(literal, rep_py, 1) + "\n"
+        return "".join(lines) == fixed
+    m = re.search(r"replace\((.*), 1\)\)\nEOF$", command, re.S)
+    if m:
+        import ast
+
+        old, new = ast.literal_eval(f"({m.group(1)})")
+        return buggy.replace(old, new, 1) == fixed
+    return False
+
+
+def _source_file(record: dict[str, Any]) -> str:
+    return record["mutation"]["file"]
+
+
+def _files(record: dict[str, Any]) -> tuple[str, str]:
+    """(buggy, fixed) text of the mutated file of a generated record."""
+    from agentree.swe.generate import fixed_files
+
+    slug = record["repo"].split("/", 1)[1]
+    path = _source_file(record)
+    fixed = fixed_files(slug)[path].decode()
+    patch = record["patch"]
+    buggy = _reverse_apply(fixed, patch, path)
+    return buggy, fixed
+
+
+def _reverse_apply(fixed: str, patch: str, path: str) -> str:
+    """Undo the gold fix on the fixed text (git apply -R in a scratch directory)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="agentree-expert-") as tmp:
+        target = Path(tmp, path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(fixed)
+        Path(tmp, "fix.patch").write_text(patch)
+        subprocess.run(
+            ["git", "apply", "-R", "fix.patch"], cwd=tmp, check=True, capture_output=True
+        )
+        return target.read_text()
+
+
+def trajectory(record: dict[str, Any], step_limit: int = 50) -> list[dict[str, str]] | None:
+    """The expert's conversation on a generated task (None when its edit cannot be checked)."""
+    path = _source_file(record)
+    buggy, fixed = _files(record)
+    edit = fix_action(path, buggy, fixed)
+    command = edit.split("```bash\n", 1)[1].rsplit("\n```", 1)[0]
+    if not check_edit(command, buggy, fixed):
+        return None
+    numbered = "".join(f"{i:6d}\t{line}" for i, line in enumerate(_lines(buggy), 1))
+    tests = len(json.loads(record["FAIL_TO_PASS"])) + len(json.loads(record["PASS_TO_PASS"]))
+    first = render(
+        "swe/instance.txt",
+        problem_statement=record["problem_statement"].strip(),
+        workdir="/testbed",
+        step_limit=step_limit,
+        sentinel=SENTINEL,
+    )
+    steps = [
+        (_action(f"the failing tests point at {path}; read it.", f"cat -n {path}"), numbered),
+        (edit, ""),
+        (_action("run the tests again.", TEST_RUN), _pytest_tail(tests)),
+    ]
+    msgs = [{"role": "user", "content": first}]
+    for action, output in steps:
+        msgs.append({"role": "assistant", "content": action})
+        msgs.append(
+            {"role": "user", "content": render("swe/observation.txt", returncode=0, output=output)}
+        )
+    msgs.append({"role": "assistant", "content": SUBMIT_ACTION})
+    return msgs
+
+
+def _pytest_tail(tests: int) -> str:
+    """What `pytest -q | tail -n 3` prints when all `tests` pass (the duration varies)."""
+    return f"{'.' * tests}{'[100%]':>{80 - tests}}\n{tests} passed in 0.05s\n"
+
+
+def write_trajectories(records: Sequence[dict[str, Any]], output: Path) -> tuple[int, int]:
+    """Chat JSONL of the expert on `records`; returns (written, skipped)."""
+    rows = [t for r in records if (t := trajectory(r)) is not None]
+    output.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    return len(rows), len(records) - len(rows)
+
+
+def expert_policy(
+    records: Sequence[dict[str, Any]],
+) -> Callable[[Any, Sequence[tuple[str, str]]], str]:
+    """A scripted policy replaying the expert's actions (for checking them in Docker)."""
+    by_id = {r["instance_id"]: r for r in records}
+
+    def act(task: Any, history: Sequence[tuple[str, str]]) -> str:
+        msgs = trajectory(by_id[task.id]) or []
+        actions = [m["content"] for m in msgs if m["role"] == "assistant"]
+        return actions[min(len(history), len(actions) - 1)]
+
+    return act
+
+
+# -- the warm policy -------------------------------------------------------------------------
+class WarmConfig(BaseModel):
+    """The warm-started SWE policy: tokenizer, model shape and fine-tuning."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(1024, ge=64)
+    """BPE vocabulary trained on the trajectories (keeps identifiers and operators whole)."""
+    min_frequency: int = Field(2, ge=1)
+    """A pair must occur this often to be merged."""
+    hidden_size: int = 192
+    """Model width (the default tiny policy has 128)."""
+    num_layers: int = 3
+    """Transformer blocks (the default tiny policy has 2)."""
+    num_heads: int = 4
+    """Attention heads."""
+    intermediate_size: int = 768
+    """MLP width."""
+    max_trajectories: int = Field(64, ge=1)
+    """Expert trajectories fine-tuned on (a seeded sample of the tasks; a CPU-time budget)."""
+    epochs: int = Field(3, ge=1)
+    """Passes over the expert trajectories."""
+    lr: float = Field(2e-3, gt=0)
+    """Peak learning rate (a randomly initialised model needs a large one)."""
+    batch_size: int = Field(2, ge=1)
+    """Trajectories per optimiser step (small: on CPU, updates are what the budget buys)."""
+    seed: int = 0
+    """Seed of the weights and the example order."""
+
+
+def warm_policy(
+    records: Sequence[dict[str, Any]],
+    cfg: WarmConfig | None = None,
+    *,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build (or reuse) the tiny SWE policy fine-tuned on the expert's trajectories."""
+    from agentree.envs.swe import SWEEnv
+    from agentree.models.tiny import (
+        TinyModelConfig,
+        build_once,
+        build_tiny_policy,
+        cache_root,
+        content_key,
+    )
+    from agentree.sft import SFTConfig, run_sft
+
+    cfg = cfg or WarmConfig()
+    convs = [t for r in records if (t := trajectory(r)) is not None]
+    if not convs:
+        raise ValueError("no expert trajectory could be made from these tasks")
+    if len(convs) > cfg.max_trajectories:
+        convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
+    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 1})
+    target = out_dir or cache_root() / "swe-warm" / key
+    if (target / "config.json").exists():
+        return target
+    env = SWEEnv()
+    system = env.system_prompt
+    env.close()
+    corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
+    shape = TinyModelConfig(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        seed=cfg.seed,
+    )
+
+    def write(tmp: Path) -> None:
+        base = build_tiny_policy(corpus, shape, ATOMIC, out_dir=tmp / "base")
+        sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
+        run_sft(base, convs, tmp, sft, system=system, log=log)
+        import shutil
+
+        shutil.rmtree(tmp / "base")
+
+    return build_once(target, write)

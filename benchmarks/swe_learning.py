@@ -1,0 +1,168 @@
+"""PATR vs flat GRPO on generated SWE tasks: held-out resolved rate against env steps.
+
+Runs `agentree train --env swebench` from the warm SWE policy once per (rollout, seed) in a
+subprocess, exactly as a user would, with a held-out evaluation after every step. While a run
+goes, the Docker daemon is polled for the containers that process owns (peak container count).
+Afterwards each run directory gives: held-out resolved rate per step against cumulative env
+steps, forks, scorer calls, and sandbox seconds per env step (from the saved trees).
+
+Sized for a 2-core machine by default (one task per step, small trees, short episodes); the
+knobs are flags and `--set` overrides.
+
+    agentree swe generate --n 200 --output gen/tasks.jsonl
+    POLICY=$(agentree swe warm --tasks gen/tasks.train.jsonl | tail -n 1)
+    python benchmarks/swe_learning.py --tasks gen/tasks --policy $POLICY --seeds 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROLLOUT_SETS = {
+    # PATR: B0 branches, advance K turns, expand top_k by M children each (forking containers)
+    "patr": ["rollout.B0=2", "rollout.K=2", "rollout.M=2", "rollout.top_k=1"],
+    # flat GRPO: G independent episodes, no forking
+    "grpo": ["rollout.G=4"],
+}
+
+
+def _watch_containers(pid: int, stop: threading.Event, peak: list[int]) -> None:
+    """Peak number of live containers labelled as owned by process `pid`."""
+    from agentree.swe import runtime
+
+    api = runtime.client().api
+    flt = {"label": f"{runtime.OWNER}={socket.gethostname()}:{pid}"}
+    while not stop.wait(1.0):
+        with contextlib.suppress(Exception):  # the daemon is busy: try again next tick
+            peak[0] = max(peak[0], len(api.containers(filters=flt)))
+
+
+def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: Path) -> dict:
+    cmd = [
+        sys.executable, "-m", "agentree", "train", "--config", "swebench_patr",
+        "--rollout", rollout, "--scorer", args.scorer, "--policy", args.policy,
+        "--tasks", f"{args.tasks}.train.jsonl", "--steps", str(args.steps),
+        "--output", str(out),
+    ]  # fmt: skip
+    sets = [
+        f"seed={seed}",
+        f"eval.tasks={heldout}",
+        f"eval.samples={args.samples}",
+        "train.eval_every=1",
+        "train.tasks_per_step=1",
+        "train.trees_every=1",
+        f"env.step_limit={args.step_limit}",
+        "engine.max_tokens=96",
+        *ROLLOUT_SETS[rollout],
+        *args.set,
+    ]
+    for s in sets:
+        cmd += ["--set", s]
+    stop, peak = threading.Event(), [0]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    watcher = threading.Thread(target=_watch_containers, args=(proc.pid, stop, peak), daemon=True)
+    watcher.start()
+    rc = proc.wait()
+    stop.set()
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"agentree train ({rollout}, seed {seed}) failed with exit code {rc}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps, curve, env_steps = 0, [], 0.0
+    totals = {"forks": 0.0, "scorer_calls": 0.0, "env_steps": 0.0}
+    for r in rows:
+        if "rollout/env_steps" in r:
+            steps += 1
+            env_steps += r["rollout/env_steps"]
+            totals["env_steps"] += r["rollout/env_steps"]
+            totals["forks"] += r.get("rollout/forks", 0.0)
+            totals["scorer_calls"] += r.get("scorer/calls", 0.0)
+        if "eval/success_rate" in r:
+            curve.append((int(env_steps), r["eval/success_rate"], r.get("eval/pass_at_k")))
+    sandbox = _sandbox_seconds(out / "trees")
+    return {
+        "rollout": rollout,
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        "curve": curve,
+        **totals,
+        "sandbox_s_per_env_step": sandbox,
+        "peak_containers": peak[0],
+    }
+
+
+def _sandbox_seconds(trees: Path) -> float | None:
+    """Mean seconds a command ran in the sandbox per env step, over the saved training trees."""
+    times = []
+    for f in trees.rglob("*.json"):
+        for node in json.loads(f.read_text()).get("nodes", []):
+            info = node.get("info")
+            if isinstance(info, str):
+                try:
+                    info = ast.literal_eval(info)
+                except (ValueError, SyntaxError):
+                    continue
+            env = (info or {}).get("env") or {}
+            if "elapsed" in env:
+                times.append(float(env["elapsed"]))
+    return round(sum(times) / len(times), 3) if times else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", required=True, help="generated tasks path without .jsonl")
+    ap.add_argument("--policy", required=True, help="the warm SWE policy directory")
+    ap.add_argument("--rollouts", nargs="+", default=["patr", "grpo"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=2, help="optimiser steps per run")
+    ap.add_argument("--scorer", default="heuristic", help="process scorer (heuristic, prm, ...)")
+    ap.add_argument("--heldout-n", type=int, default=8, help="held-out tasks evaluated")
+    ap.add_argument("--samples", type=int, default=1, help="held-out samples per task")
+    ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--parallel", action="store_true", help="run all (rollout, seed) at once")
+    ap.add_argument("--keep", help="keep run directories under this folder")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
+        root = Path(args.keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        held = Path(f"{args.tasks}.heldout.jsonl").read_text().splitlines()[: args.heldout_n]
+        heldout = root / "heldout.jsonl"
+        heldout.write_text("\n".join(held) + "\n")
+        jobs = [(r, s) for s in args.seeds for r in args.rollouts]
+        # --parallel runs every (rollout, seed) at once: on a shared machine the wall time
+        # then measures contention, so compare env steps, forks and resolved rates instead
+        with ThreadPoolExecutor(len(jobs) if args.parallel else 1) as pool:
+            futures = [
+                pool.submit(run, r, s, root / f"{r}-seed{s}", args, heldout) for r, s in jobs
+            ]
+            results = [f.result() for f in futures]
+    head = f"{'rollout':>7} {'seed':>4} {'wall':>6} {'env steps':>9} {'forks':>5} {'scorer':>6}"
+    print(head + f" {'sandbox/step':>12} {'containers':>10}  held-out resolved (env steps: %)")
+    for r in results:
+        curve = " ".join(f"{s}:{100 * v:.0f}%" for s, v, _ in r["curve"])
+        sb = r["sandbox_s_per_env_step"]
+        print(
+            f"{r['rollout']:>7} {r['seed']:>4} {r['wall_s']:>5.0f}s {r['env_steps']:>9.0f} "
+            f"{r['forks']:>5.0f} {r['scorer_calls']:>6.0f} "
+            f"{'-' if sb is None else f'{sb:.2f}s':>12} {r['peak_containers']:>10}  {curve}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The warm SWE policy on held-out generated tasks: well-formed actions, pass@1 and pass@k.
+
+Runs `agentree eval --env swebench` as a user would, then reads the eval directory: the share of
+actions that hold exactly one bash block (the env's format check), what the well-formed
+commands were (their first word), and the resolved rates.
+
+    python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", required=True, help="held-out generated tasks (JSONL)")
+    ap.add_argument("--policy", required=True, help="the warm SWE policy directory")
+    ap.add_argument("--n", type=int, default=0, help="first N tasks only (0: all)")
+    ap.add_argument("--samples", type=int, default=2, help="samples per task (pass@k)")
+    ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--keep", help="keep the eval directory here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        tasks = Path(args.tasks)
+        if args.n:
+            tasks = out / "tasks.jsonl"
+            tasks.write_text("\n".join(Path(args.tasks).read_text().splitlines()[: args.n]) + "\n")
+        cmd = [
+            sys.executable, "-m", "agentree", "eval", "--config", "swebench_patr",
+            "--tasks", str(tasks), "--policy", args.policy, "--samples", str(args.samples),
+            "--output", str(out / "eval"), "--set", f"env.step_limit={args.step_limit}",
+            "--set", "engine.max_tokens=96",
+        ]  # fmt: skip
+        for s in args.set:
+            cmd += ["--set", s]
+        subprocess.run(cmd, check=True)
+        summary = json.loads((out / "eval" / "eval.json").read_text())["summary"]
+        actions, bad, first = 0, 0, Counter()
+        for f in sorted((out / "eval" / "trees").glob("*.json")):
+            for node in json.loads(f.read_text())["nodes"]:
+                env = (node.get("info") or {}).get("env") or {}
+                if "action_key" not in env:
+                    continue
+                actions += 1
+                if env.get("format_error"):
+                    bad += 1
+                else:
+                    first[(env["action_key"].split() or ["?"])[0]] += 1
+    well = 1 - bad / max(actions, 1)
+    print(
+        f"{summary['tasks']} tasks x {args.samples} samples: {actions} actions, "
+        f"{100 * well:.1f}% well-formed; resolved pass@1 {100 * summary['success_rate']:.1f}%, "
+        f"pass@{args.samples} {100 * summary['pass_at_k']:.1f}%"
+    )
+    print("commands: " + ", ".join(f"{k} {v}" for k, v in first.most_common(8)))
+
+
+if __name__ == "__main__":
+    main()

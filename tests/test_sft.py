@@ -1,0 +1,123 @@
+"""`agentree sft`: the loss mask is exactly the assistant tokens, the loss goes down, and the
+result loads as a policy that `agentree train` continues from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentree.chat import ChatFormat
+from agentree.cli import main
+from agentree.sft import SFTConfig, example_from_messages, load_examples, run_sft
+
+SYSTEM = "You are walking on a frozen lake."
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "P _ _\n_ O _\n_ _ G"},
+    {"role": "assistant", "content": "```Right```"},
+    {"role": "user", "content": "_ P _\n_ O _\n_ _ G"},
+    {"role": "assistant", "content": "```Right```"},
+    {"role": "tool", "content": "_ _ P\n_ O _\n_ _ G"},
+    {"role": "assistant", "content": "```Down```"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_frozenlake: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_frozenlake)
+
+
+def test_mask_covers_exactly_the_assistant_tokens(tokenizer) -> None:
+    chat = ChatFormat(tokenizer)
+    ex = example_from_messages(chat, CONVERSATION)
+    # the ids are those of the chat template's own rendering (tool turns read as user turns)
+    rendered = [
+        {"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
+        for m in CONVERSATION
+    ]
+    text = tokenizer.apply_chat_template(rendered, tokenize=False)
+    assert tokenizer.decode(ex.token_ids) == text.removesuffix("\n")
+    # masked runs are exactly the assistant contents, each closed by the end-of-turn token
+    runs, cur = [], []
+    for tok, m in zip(ex.token_ids, ex.loss_mask, strict=True):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    runs.append(cur)
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert [tokenizer.decode(r) for r in runs] == [a + "<|im_end|>" for a in answers]
+    assert ex.loss_mask[-1] == 1
+
+
+def test_missing_system_message_takes_the_envs(tokenizer) -> None:
+    chat = ChatFormat(tokenizer)
+    with_sys = example_from_messages(chat, CONVERSATION)
+    without = example_from_messages(chat, CONVERSATION[1:], system=SYSTEM)
+    assert with_sys == without
+
+
+def test_malformed_conversations_are_rejected(tokenizer) -> None:
+    chat = ChatFormat(tokenizer)
+    with pytest.raises(ValueError, match="assistant"):
+        example_from_messages(chat, CONVERSATION[:2])
+    with pytest.raises(ValueError, match="role"):
+        example_from_messages(chat, [{"role": "robot", "content": "x"}])
+
+
+def test_sft_lowers_the_loss_and_the_output_trains(tiny_frozenlake: Path, tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(16)))
+    out = tmp_path / "sft"
+    chat = ChatFormat(__import__("transformers").AutoTokenizer.from_pretrained(tiny_frozenlake))
+    examples = load_examples(data, chat)
+    summary = run_sft(tiny_frozenlake, examples, out, SFTConfig(epochs=4, lr=3e-3, batch_size=4))
+    losses = summary["epoch_loss"]
+    assert losses[-1] < 0.5 * losses[0]
+    assert (out / "config.json").exists() and (out / "sft.json").exists()
+    # the fine-tuned policy continues into RL training through the ordinary --policy path
+    run = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "--policy",
+            str(out),
+            "--steps",
+            "1",
+            "--output",
+            str(run),
+            "--set",
+            "train.tasks_per_step=2",
+            "--set",
+            "eval.tasks=2",
+            "--set",
+            "eval.samples=1",
+        ]
+    )
+    assert rc == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/loss" in r for r in rows)
+
+
+def test_cli_fine_tunes_on_filtered_trees(tiny_frozenlake: Path, tmp_path: Path) -> None:
+    """Rejection sampling: roll out with the tiny policy, keep rewarded trajectories, fine-tune."""
+    roll = tmp_path / "roll"
+    args = ["--env", "frozenlake", "--rollout", "grpo", "--policy", str(tiny_frozenlake)]
+    assert main(["rollout", *args, "--tasks", "4", "--output", str(roll)]) == 0
+    from agentree.tree import Tree
+
+    trees = [Tree.load(p) for p in sorted((roll / "trees").glob("*.json"))]
+    rewards = [t.reward for tree in trees for t in tree.trajectories()]
+    best = max(rewards)
+    sft = ["sft", "--env", "frozenlake", "--policy", str(tiny_frozenlake), "--data", str(roll)]
+    out = tmp_path / "rft"
+    assert main([*sft, "--output", str(out), "--min-reward", str(best)]) == 0
+    summary = json.loads((out / "sft.json").read_text())
+    assert summary["examples"] == sum(r >= best for r in rewards)
+    # nothing left after filtering is a usage error with a sentence, not a crash
+    assert main([*sft, "--output", str(tmp_path / "none"), "--min-reward", str(best + 1)]) == 2

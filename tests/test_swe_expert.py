@@ -1,0 +1,102 @@
+"""Expert trajectories on generated tasks: edit commands checked by hand and replayed in Docker."""
+
+from __future__ import annotations
+
+import json
+
+from swe_support import assert_no_leftovers, require_docker
+
+from agentree.envs.base import Task
+from agentree.envs.swe import SENTINEL, SWEEnv, parse_commands
+from agentree.swe import expert, generate
+
+FIXED = "def f(n):\n    if n < 0:\n        return 0\n    return n + 1\n"
+
+
+def test_one_line_fix_is_a_sed_on_that_line():
+    buggy = FIXED.replace("n < 0", "n <= 0")
+    action = expert.fix_action("pkg/m.py", buggy, FIXED)
+    (command,) = parse_commands(action)
+    assert command == "sed -i '2s/<=/</' pkg/m.py"
+    assert expert.check_edit(command, buggy, FIXED)
+    assert not expert.check_edit(command, FIXED, buggy)
+
+
+def test_sed_targets_the_first_match_only_when_it_is_the_bug():
+    # the bug is the second `2,` on the line: the pattern widens until its first match is it
+    fixed = "x = [2, 1, 3]\n"
+    buggy = "x = [2, 2, 3]\n"
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
+    assert command == "sed -i '1s/ 2,/ 1,/' m.py"
+    assert expert.check_edit(command, buggy, fixed)
+
+
+def test_dropped_lines_are_restored_with_a_python_edit():
+    buggy = FIXED.replace("    if n < 0:\n        return 0\n", "")
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, FIXED))
+    assert command.startswith("python3 - <<'EOF'\nimport pathlib\n")
+    assert expert.check_edit(command, buggy, FIXED)
+
+
+def test_expert_trajectories_replay_in_docker_and_resolve():
+    require_docker()
+    records, _ = generate.generate(2, seed=5, slugs=["intervals"], heldout=0.0)
+    convs = [expert.trajectory(r) for r in records]
+    assert all(c is not None for c in convs)
+    first = convs[0]
+    assert [m["role"] for m in first] == ["user"] + ["assistant", "user"] * 3 + ["assistant"]
+    assert parse_commands(first[-1]["content"]) == [f"echo {SENTINEL}"]
+    policy = expert.expert_policy(records)
+    env = SWEEnv(step_limit=6, prewarm=0)
+    try:
+        for rec in records:
+            task = SWEEnv.task_from_record(rec)
+            task = Task(task.id, None, task.options)
+            obs, _ = env.reset(options=task.options)
+            history: list[tuple[str, str]] = []
+            done, reward, outputs = False, 0.0, []
+            while not done:
+                action = policy(task, history)
+                obs, reward, term, trunc, info = env.step(action)
+                outputs.append(obs)
+                history.append((action, obs))
+                done = term or trunc
+            assert reward == 1.0, info["grading"]["reason"]
+            # the expert's `cat -n` observation is exactly what the container printed
+            conv = expert.trajectory(rec)
+            assert conv is not None and conv[2]["content"] == outputs[0]
+            tests = len(json.loads(rec["FAIL_TO_PASS"])) + len(json.loads(rec["PASS_TO_PASS"]))
+            assert f"{tests} passed" in outputs[2]
+    finally:
+        env.close()
+    assert_no_leftovers(allow_spares=True)
+
+
+def test_warm_policy_learns_the_expert_and_keeps_commands_whole(tmp_path):
+    from transformers import AutoTokenizer
+
+    cands = generate.candidates(["roman"])[:4]
+    records = [
+        generate.make_record(c, ["tests/t.py::test_a"], ["tests/t.py::test_b"], "E   boom", "train")
+        for c in cands
+    ]
+    cfg = expert.WarmConfig(
+        vocab_size=400,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_trajectories=4,
+        epochs=3,
+        batch_size=2,
+        lr=3e-3,
+    )
+    path = expert.warm_policy(records, cfg, out_dir=tmp_path / "warm", log=lambda _: None)
+    summary = json.loads((path / "sft.json").read_text())
+    assert summary["examples"] == 4
+    assert summary["epoch_loss"][-1] < summary["epoch_loss"][0]
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.tokenize("sed -i '") == ["sed -i '"]
+    assert tok.tokenize(expert.TEST_RUN) == [expert.TEST_RUN]
+    # built once: a second call with the same tasks and settings reuses the directory
+    assert expert.warm_policy(records, cfg, out_dir=path) == path
