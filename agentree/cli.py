@@ -140,7 +140,7 @@ def _write_config(cfg, run_dir: Path) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentree.config import read_config_file, validate_config
+    from agentree.config import load_config
 
     rank = int(os.environ.get("RANK", "0"))
     console = _console()
@@ -151,10 +151,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = Path(args.output) / "config.yaml"
         if not saved.exists():
             raise ValueError(f"{saved} not found: {args.output} is not an agentree run directory")
-        data = read_config_file(str(saved))
-        if args.steps is not None:
-            data.setdefault("train", {})["steps"] = args.steps
-        cfg = validate_config(data)
+        # --set applies on resume too: e.g. another train.world_size (checkpoints reshard)
+        steps = {"steps": str(args.steps)} if args.steps is not None else None
+        cfg = load_config(str(saved), select=steps, overrides=args.set)
     else:
         cfg = _load(args)
     if args.dry_run:
