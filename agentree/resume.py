@@ -61,6 +61,18 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+RESUME_OVERRIDES = ("train.world_size", "train.micro_batch_size")
+"""Keys `--resume --set` may change: they reshape the work, not the run (distributed
+checkpoints reshard onto another world size; micro-batching leaves gradients exact)."""
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node: Any = cfg
+    for k in dotted.split("."):
+        node = node[k] if isinstance(node, dict) else getattr(node, k)
+    return node
+
+
 def resume_config(
     run_dir: Path,
     *,
@@ -84,8 +96,12 @@ def resume_config(
     for key, value in select.items():
         if value is not None and key != "output":
             flags.append((f"--{key} {value}", str(saved_path), {key: value}, []))
+    safe: list[str] = []
     for item in overrides:
-        flags.append((f"--set {item}", str(saved_path), {}, [item]))
+        if item.partition("=")[0].strip() in RESUME_OVERRIDES:
+            safe.append(item)
+        else:
+            flags.append((f"--set {item}", str(saved_path), {}, [item]))
     conflicts = []
     for text, base, sel, over in flags:
         try:
@@ -102,6 +118,13 @@ def resume_config(
             "with another --output"
         )
     saved.output = str(run_dir)  # the directory may have moved since it was saved
+    if safe:
+        before = {k: _get(saved, k) for k in (i.partition("=")[0].strip() for i in safe)}
+        saved = load_config(str(saved_path), overrides=safe)
+        saved.output = str(run_dir)
+        for key, value in before.items():
+            if _get(saved, key) != value:
+                log(f"--set {key}={_get(saved, key)} overrides {key}={value} of the saved run")
     if steps is not None and steps != saved.train.steps:
         log(f"--steps {steps} overrides train.steps={saved.train.steps} of the saved run")
         data = saved.model_dump()

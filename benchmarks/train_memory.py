@@ -4,9 +4,10 @@ Each configuration runs in fresh processes: every rank builds the trainable poli
 `agentree train` does (`agentree.parallel.build_trainable`: load, LoRA, `fully_shard`) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
-rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss)
-and RSS after the step. Only the trainer side is measured: rank 0's rollout engine adds its own
-copy of the weights on top.
+rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss),
+RSS after the step, and the bytes of the rank's own parameters and AdamW state (its shards
+under FSDP), which the allocator's retained pages do not blur. Only the trainer side is
+measured: rank 0's rollout engine adds its own copy of the weights on top.
 
 Models: `tiny` (the 2-layer, 128-wide FrozenLake policy) and `100m`, a ~110M-parameter
 Qwen2-architecture model (12 layers, 768 wide, 32k vocabulary) built here with random weights
@@ -72,6 +73,18 @@ def synthetic_batch(n: int, length: int, vocab: int, group: int = 4):
     return trees, groups
 
 
+def state_bytes(model, opt) -> int:
+    """Bytes of this rank's own parameters and optimiser state (its shards under FSDP)."""
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    n = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    for st in opt.state.values():
+        n += sum(local(v).numel() * v.element_size() for v in st.values() if v.dim() > 0)
+    return n
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -102,7 +115,10 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     trees, groups = synthetic_batch(spec["trajectories"], spec["seq_len"], vocab)
     upd(trees, groups, lr=1e-5)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    row = {"rank": rank, "start_mib": before, "peak_mib": peak, "after_mib": rss_mib()}
+    row = {
+        "rank": rank, "start_mib": before, "peak_mib": peak, "after_mib": rss_mib(),
+        "state_mib": state_bytes(model, upd.opt) / 2**20,
+    }  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
     if world > 1 or cfg.train.fsdp:
         import torch.distributed as dist
@@ -159,19 +175,24 @@ def main() -> None:
                         "peak_mib": [round(x["peak_mib"]) for x in per_rank],
                         "after_mib": [round(x["after_mib"]) for x in per_rank],
                         "start_mib": [round(x["start_mib"]) for x in per_rank],
+                        "state_mib": [round(x["state_mib"]) for x in per_rank],
                     }  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print()
-    print("| model | params | ranks | mode | peak RSS per rank (MiB) | RSS after step (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | params | ranks | mode | peak RSS per rank (MiB) | RSS after step (MiB) "
+        "| own weights + AdamW state per rank (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         mode = ("FSDP2" if r["fsdp"] else "1 process") + (
             f" + LoRA r={r['lora']}" if r["lora"] else ""
         )
         print(
             f"| {r['model']} | {r['params_m']}M | {r['ranks']} | {mode} | "
-            f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['after_mib']))} |"
+            f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['after_mib']))} | "
+            f"{' / '.join(map(str, r['state_mib']))} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -259,3 +259,27 @@ def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
     )
     assert cfg.train.steps == 8
     assert logged == ["--steps 8 overrides train.steps=6 of the saved run"]
+
+
+def test_resume_may_reshape_the_work_and_logs_it(tmp_path):
+    """Distributed checkpoints reshard, so `--resume --set train.world_size=N` is allowed and
+    logged; any other key still counts as a change of the run."""
+    from agentree.resume import resume_config
+
+    run = _saved_run(tmp_path)
+    logged: list[str] = []
+    cfg = resume_config(
+        run,
+        config=None,
+        select={},
+        overrides=["train.world_size=2", "train.micro_batch_size=4"],
+        steps=None,
+        log=logged.append,
+    )
+    assert cfg.train.world_size == 2 and cfg.train.micro_batch_size == 4
+    assert cfg.output == str(run)
+    assert "--set train.world_size=2 overrides train.world_size=1 of the saved run" in logged
+    with pytest.raises(ValueError, match=r"--set train.lr=0.5 would change it"):
+        resume_config(
+            run, config=None, select={}, overrides=["train.lr=0.5"], steps=None, log=print
+        )
