@@ -38,15 +38,15 @@ class WarmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    expert_prob: float = Field(0.35, ge=0.0, le=1.0)
+    expert_prob: float = Field(0.5, ge=0.0, le=1.0)
     """Probability that a demonstrated action is the expert's (else a random valid one)."""
-    episodes: int = Field(1500, ge=1)
+    episodes: int = Field(400, ge=1)
     """Demonstration episodes (FrozenLake) or problems (Countdown)."""
     epochs: int = Field(2, ge=1)
     """SFT passes over the demonstrations."""
-    lr: float = Field(3e-3, gt=0.0)
+    lr: float = Field(2e-3, gt=0.0)
     """SFT peak learning rate (a from-scratch tiny model takes a large one)."""
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(4, ge=1)
     """SFT examples per optimiser step."""
     seed: int = 0
     """Seeds the demonstrations and the SFT order."""
