@@ -257,6 +257,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
     _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
+    from agentree.models.warm import walker_baseline
+
+    walker = walker_baseline(cfg)
+    if walker is not None:  # the reference a FrozenLake curve is read against
+        summary["walker_success"] = walker
+        console.print(f"random-valid-move walker on the same held-out maps: {100 * walker:.1f}%")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 

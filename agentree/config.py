@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentree.envs.base import env_class, format_validation_error
 from agentree.models.tiny import TinyModelConfig
+from agentree.models.warm import WarmConfig
 
 DEFAULT_CONFIG = "frozenlake_patr"
 ENV_CONFIGS = {
@@ -36,9 +37,12 @@ class _Section(BaseModel):
 
 class PolicyConfig(_Section):
     path: str = "tiny"
-    """`tiny` (built locally for the env), a checkpoint directory, or a hub id."""
+    """`tiny` (built locally for the env), `tiny-warm` (tiny fine-tuned on a noisy scripted
+    expert, FrozenLake and Countdown), a checkpoint directory, or a hub id."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Shape of the locally built tiny policy."""
+    warm: WarmConfig = Field(default_factory=WarmConfig)
+    """How `tiny-warm` is built: expert probability, demonstrations, SFT settings."""
     dtype: str = "auto"
     """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"

@@ -129,14 +129,18 @@ class Runtime:
 
 def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     path = cfg.policy.path
-    if path != "tiny":
+    if path not in ("tiny", "tiny-warm"):
         return path
     from agentree.models.tiny import tiny_policy_for_env
+    from agentree.models.warm import warm_policy_for_env
 
     env_name, env_kwargs = cfg.component("env")
     t0 = time.perf_counter()
-    out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny)
-    log(f"tiny policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
+    if path == "tiny-warm":
+        out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, cfg.policy.warm, log)
+    else:
+        out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny)
+    log(f"{path} policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
     return str(out)
 
 

@@ -1,0 +1,241 @@
+"""Warm-started tiny policies: the tiny policy fine-tuned on a weak scripted expert.
+
+The papers start RL from an instruction-tuned model that already answers in format and is
+mediocre at the task. At toy scale the same starting point is the locally built tiny policy
+(`agentree.models.tiny`) supervised with `agentree.sft.run_sft` on demonstrations of a noisy
+expert, so that it answers in format and succeeds only part of the time:
+
+- FrozenLake: each turn the BFS-optimal move with probability `expert_prob`, otherwise a random
+  valid move (one that stays on the map). Imitating that mixture puts the optimal move at
+  probability about expert_prob + (1 - expert_prob) / 4 in the policy; RL then has to sharpen it.
+- Countdown: the exhaustive solver's expression with probability `expert_prob`, otherwise the
+  numbers joined by random operators (well-formed, mostly wrong), after a short think block.
+
+Builds are cached like `tiny` (content hash of the base policy and the settings).
+The random-valid-move walker, the reference a FrozenLake learning curve is read against, is
+`walker_success`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentree.models.tiny import TinyModelConfig, build_once, cache_root, content_key
+
+WARM_ENVS = ("frozenlake", "countdown")
+MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
+_DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+
+
+class WarmConfig(BaseModel):
+    """How the warm-started tiny policy (`policy.path: tiny-warm`) is built."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    expert_prob: float = Field(0.5, ge=0.0, le=1.0)
+    """Probability that a demonstrated action is the expert's (else a random valid one)."""
+    episodes: int = Field(400, ge=1)
+    """Demonstration episodes (FrozenLake) or problems (Countdown)."""
+    epochs: int = Field(2, ge=1)
+    """SFT passes over the demonstrations."""
+    lr: float = Field(2e-3, gt=0.0)
+    """SFT peak learning rate (a from-scratch tiny model takes a large one)."""
+    batch_size: int = Field(4, ge=1)
+    """SFT examples per optimiser step."""
+    seed: int = 0
+    """Seeds the demonstrations and the SFT order."""
+
+
+# -- FrozenLake ----------------------------------------------------------------------------------
+def distances_to_goal(desc: Sequence[str]) -> dict[tuple[int, int], int]:
+    """BFS distance from every cell that can reach G (holes blocked)."""
+    n, m = len(desc), len(desc[0])
+    goal = next((r, c) for r in range(n) for c in range(m) if desc[r][c] == "G")
+    dist = {goal: 0}
+    frontier = [goal]
+    while frontier:
+        nxt = []
+        for r, c in frontier:
+            for dr, dc in _DELTA.values():
+                cell = (r + dr, c + dc)
+                inside = 0 <= cell[0] < n and 0 <= cell[1] < m
+                if inside and cell not in dist and desc[cell[0]][cell[1]] != "H":
+                    dist[cell] = dist[(r, c)] + 1
+                    nxt.append(cell)
+        frontier = nxt
+    return dist
+
+
+def valid_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
+    """Moves that stay on the map (a hole is a valid, if fatal, move)."""
+    n, m = len(desc), len(desc[0])
+    out = []
+    for move in MOVES:
+        dr, dc = _DELTA[move]
+        if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < m:
+            out.append(move)
+    return out
+
+
+def scripted_move(
+    desc: Sequence[str], pos: tuple[int, int], expert_prob: float, rng: random.Random
+) -> str:
+    """The noisy expert: a shortest-path move with probability `expert_prob`, else random valid.
+
+    `expert_prob=0` is the random-valid-move walker; 1 is the BFS-optimal policy.
+    """
+    moves = valid_moves(desc, pos)
+    if rng.random() < expert_prob:
+        dist = distances_to_goal(desc)
+        here = dist.get(pos)
+        best = [
+            mv
+            for mv in moves
+            if here is not None
+            and dist.get((pos[0] + _DELTA[mv][0], pos[1] + _DELTA[mv][1])) == here - 1
+        ]
+        if best:
+            return rng.choice(best)
+    return rng.choice(moves)
+
+
+def frozenlake_episode(
+    env: Any, task: Any, expert_prob: float, rng: random.Random
+) -> tuple[list[dict[str, str]], bool]:
+    """(chat messages, success) of one scripted episode on `env` (a FrozenLakeEnv)."""
+    obs, info = env.reset(seed=task.seed, options=task.options)
+    messages = [{"role": "user", "content": obs}]
+    done = False
+    while not done:
+        move = scripted_move(info["desc"], tuple(info["pos"]), expert_prob, rng)
+        action = f"```{move}```"
+        obs, _, terminated, truncated, info = env.step(action)
+        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
+        done = terminated or truncated
+    return messages[:-1], bool(info["success"])
+
+
+def walker_success(
+    env_kwargs: dict[str, Any],
+    tasks: Sequence[Any],
+    *,
+    samples: int = 4,
+    expert_prob: float = 0.0,
+    seed: int = 0,
+) -> float:
+    """Success rate of the scripted FrozenLake policy on `tasks` (`samples` episodes each).
+
+    With the default `expert_prob=0` this is the random-valid-move walker: the figure a
+    learning curve on the same maps has to beat to show the policy learned to navigate.
+    """
+    from agentree.envs.frozenlake import FrozenLakeEnv
+
+    env = FrozenLakeEnv(**env_kwargs)
+    rng = random.Random(seed)
+    wins = sum(
+        frozenlake_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
+    )
+    env.close()
+    return wins / max(len(tasks) * samples, 1)
+
+
+def walker_baseline(cfg: Any) -> float | None:
+    """The walker's success on an experiment's held-out tasks (None unless FrozenLake)."""
+    from agentree.envs.base import env_class
+    from agentree.envs.frozenlake import FrozenLakeEnv
+
+    env_name, env_kwargs = cfg.component("env")
+    if env_class(env_name) is not FrozenLakeEnv:
+        return None
+    tasks = FrozenLakeEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
+    return walker_success(env_kwargs, tasks, samples=cfg.eval.samples, seed=cfg.seed)
+
+
+# -- Countdown -----------------------------------------------------------------------------------
+def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng: random.Random):
+    """The noisy solver's response: think block, then the answer in tags."""
+    from agentree.envs.countdown import solve
+
+    expr = solve(nums, target) if rng.random() < expert_prob else None
+    if expr is None:
+        order = list(nums)
+        rng.shuffle(order)
+        expr = str(order[0])
+        for n in order[1:]:
+            expr += f" {rng.choice('+-*')} {n}"
+    return f"<think>Combine the numbers to reach {target}.</think>\n<answer>{expr}</answer>"
+
+
+# -- building ------------------------------------------------------------------------------------
+def demonstrations(
+    env_name: str, env_kwargs: dict[str, Any], warm: WarmConfig
+) -> list[list[dict[str, str]]]:
+    """Chat conversations of the noisy expert on training tasks (seeds apart from RL's)."""
+    from agentree.envs.base import env_class
+
+    cls = env_class(env_name)
+    # a seed block of its own, so RL's training tasks (seed * 100003 + i) are not the demos
+    tasks = cls.generate_tasks(warm.episodes, seed=7 + warm.seed, split="train")
+    rng = random.Random(warm.seed)
+    env = cls(**env_kwargs)
+    try:
+        if env_name == "frozenlake":
+            return [frozenlake_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
+        out = []
+        for t in tasks:
+            obs, info = env.reset(seed=t.seed, options=t.options)
+            reply = countdown_response(info["nums"], info["target"], warm.expert_prob, rng)
+            out.append([{"role": "user", "content": obs}, {"role": "assistant", "content": reply}])
+        return out
+    finally:
+        env.close()
+
+
+def warm_policy_for_env(
+    env_name: str,
+    env_kwargs: dict[str, Any],
+    tiny: TinyModelConfig,
+    warm: WarmConfig,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build (or reuse) the tiny policy for `env_name` fine-tuned on the noisy expert."""
+    from agentree.envs.base import env_class, validate_env_kwargs
+    from agentree.models.tiny import tiny_policy_for_env
+    from agentree.sft import SFTConfig, run_sft
+
+    if env_name not in WARM_ENVS:
+        raise ValueError(
+            f"policy tiny-warm has a scripted expert for {', '.join(WARM_ENVS)} only, not "
+            f"{env_name!r}; use policy tiny, or fine-tune one with agentree sft"
+        )
+    cls = env_class(env_name)
+    kwargs = validate_env_kwargs(cls, env_kwargs)
+    base = tiny_policy_for_env(env_name, env_kwargs, tiny)
+    key = content_key(
+        {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 1}
+    )
+
+    def write(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        convs = demonstrations(env_name, kwargs, warm)
+        env = cls(**kwargs)
+        system = env.system_prompt
+        env.close()
+        sft = SFTConfig(
+            epochs=warm.epochs,
+            lr=warm.lr,
+            batch_size=warm.batch_size,
+            seed=warm.seed,
+            dtype="float32",
+            device="cpu",
+        )
+        run_sft(base, convs, tmp, sft, system=system, log=lambda _: None)
+        log(f"warm {env_name} policy: {len(convs)} demonstrations, {time.perf_counter() - t0:.0f}s")
+
+    return build_once(cache_root() / "tiny-warm" / key, write)

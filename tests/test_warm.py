@@ -1,0 +1,93 @@
+"""Warm-started tiny policies: the scripted experts, the built policy (in format, mediocre), and
+the default run that starts from it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agentree.config import load_config
+from agentree.envs.countdown import CountdownEnv
+from agentree.envs.frozenlake import FrozenLakeEnv, shortest_path
+from agentree.models.warm import (
+    countdown_response,
+    distances_to_goal,
+    scripted_move,
+    valid_moves,
+    walker_success,
+)
+
+MAP = ["SFFF", "FHFH", "FFFH", "HFFG"]
+_DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+
+
+def test_expert_moves_along_a_shortest_path() -> None:
+    rng = random.Random(0)
+    dist = distances_to_goal(MAP)
+    assert dist[(0, 0)] == shortest_path(MAP, (0, 0), (3, 3)) == 6
+    for cell, d in dist.items():
+        if d == 0:
+            continue
+        move = scripted_move(MAP, cell, 1.0, rng)
+        dr, dc = _DELTA[move]
+        assert dist.get((cell[0] + dr, cell[1] + dc)) == d - 1
+
+
+def test_walker_moves_stay_on_the_map_and_cover_every_valid_move() -> None:
+    rng = random.Random(0)
+    assert valid_moves(MAP, (0, 0)) == ["Down", "Right"]
+    seen = {scripted_move(MAP, (0, 0), 0.0, rng) for _ in range(200)}
+    assert seen == {"Down", "Right"}
+
+
+def test_walker_success_brackets() -> None:
+    tasks = FrozenLakeEnv.generate_tasks(24, seed=0, split="eval")
+    kwargs = {"size": 4}
+    assert walker_success(kwargs, tasks, samples=2, expert_prob=1.0) == 1.0
+    walker = walker_success(kwargs, tasks, samples=8)
+    assert 0.0 < walker < 0.6
+
+
+def test_countdown_expert_is_correct_and_noise_is_in_format() -> None:
+    env = CountdownEnv()
+    rng = random.Random(0)
+    for seed in range(8):
+        _, info = env.reset(seed=seed)
+        _, reward, *_ = env.step(countdown_response(info["nums"], info["target"], 1.0, rng))
+        assert reward == 1.0
+        _, info = env.reset(seed=seed)
+        _, reward, *_ = env.step(countdown_response(info["nums"], info["target"], 0.0, rng))
+        assert reward >= 0.1  # an answer in tags using every number once
+
+
+def test_default_run_is_the_warm_4x4_one() -> None:
+    cfg = load_config()
+    env_name, env_kwargs = cfg.component("env")
+    assert env_name == "frozenlake" and env_kwargs["size"] >= 4
+    assert cfg.policy.path == "tiny-warm"
+    assert 0.0 < cfg.policy.warm.expert_prob < 1.0
+
+
+@pytest.fixture(scope="module")
+def warm_runtime():
+    from agentree.runtime import Runtime
+
+    cfg = load_config(overrides=["eval.tasks=24", "eval.samples=2"])
+    rt = Runtime(cfg, log=lambda _: None)
+    yield cfg, rt
+    rt.close()
+
+
+def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
+    from agentree.runtime import evaluate
+
+    cfg, rt = warm_runtime
+    result = evaluate(rt, cfg, seed=0)
+    turns = [n for tree in result["trees"] for n in tree.nodes if n.parent is not None]
+    valid = sum(bool(n.info.get("env", {}).get("valid")) for n in turns) / len(turns)
+    assert valid >= 0.95
+    tasks = rt.load_tasks(cfg.eval.tasks, split="eval")
+    expert = walker_success(rt.env_kwargs, tasks, samples=2, expert_prob=1.0)
+    success = result["summary"]["success_rate"]
+    assert success <= expert - 0.25, (success, expert)
