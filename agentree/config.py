@@ -117,6 +117,8 @@ class TrainConfig(_Section):
     """Write the step's trees to trees/ every N steps (0: never)."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before and after training)."""
+    async_steps: int = Field(0, ge=0, le=1)
+    """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs)."""
 
 
 class EvalConfig(_Section):
@@ -127,6 +129,34 @@ class EvalConfig(_Section):
     """Samples per task (the paper samples each test prompt 4 times)."""
     temperature: float | None = None
     """Sampling temperature for evaluation; null uses engine.temperature."""
+
+
+class DistributedConfig(_Section):
+    backend: Literal["local", "ray"] = "local"
+    """local: everything in this process; ray: rollout workers and engines as Ray actors."""
+    address: str = "local"
+    """local (a private Ray instance here), auto (the running cluster) or ray://host:port."""
+    rollout_workers: int = Field(2, ge=1)
+    """Rollout worker actors; each owns the envs and sandboxes of the trees it runs."""
+    engine_replicas: int = Field(1, ge=0)
+    """Policy engine actors shared by the workers; 0 gives every worker its own engine."""
+    max_sandboxes_per_worker: int = Field(32, ge=1)
+    """Most envs (Docker sandboxes) one worker holds at a time; bounds trees per call."""
+    worker_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by each rollout worker."""
+    engine_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by each engine replica."""
+    engine_gpus: float = Field(0.0, ge=0.0)
+    """Ray GPUs reserved by each engine replica."""
+    max_restarts: int = Field(3, ge=-1)
+    """Times Ray restarts a dead worker or engine actor (-1: forever)."""
+    tree_timeout_s: float = Field(1800.0, gt=0.0)
+    """A worker call running longer than this per tree is killed; its trees end as env_error."""
+    start_timeout_s: float = Field(300.0, gt=0.0)
+    """Time allowed for actors to start (model load included)."""
+    py_modules: list[str] = Field(default_factory=list)
+    """Local packages shipped to every worker (Ray runtime_env), e.g. the package of a
+    `module:Class` env that the other nodes do not have installed."""
 
 
 class ExperimentConfig(_Section):
@@ -146,6 +176,7 @@ class ExperimentConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     def component(self, section: str) -> tuple[str, dict[str, Any]]:
         """(name, settings) of the env/rollout/scorer section."""
