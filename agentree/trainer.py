@@ -50,11 +50,17 @@ __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 class Trainer:
     """Owns the runtime (policy, engine, envs, controller), the optimiser and the run dir."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: Path,
+        log: Callable[[str], None] = print,
+        runtime: Runtime | None = None,
+    ):
         self.cfg = cfg
         self.dir = run_dir
         self.log = log
-        self.rt = Runtime(cfg, log=log)
+        self.rt = runtime or Runtime(cfg, log=log)
         self.model = self.rt.model
         tc = cfg.train
         self.ref = None

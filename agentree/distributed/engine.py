@@ -68,6 +68,10 @@ class EngineReplica:
     def seed(self, seed: int) -> None:
         self.engine.seed(seed)
 
+    def checksum(self) -> float:
+        """Sum of all weights, to check that a sync arrived."""
+        return sum(float(v.double().sum()) for v in self.model.state_dict().values())
+
     # -- step-wise sessions (token-level controllers) -----------------------------------------
     def open_session(self, prompts: list[list[int]], temperature: float) -> tuple[int, int]:
         s = self.engine.open_session(prompts, temperature)

@@ -42,6 +42,7 @@ class RayRollouts:
         self.metrics: dict[str, float] = {}
         self.restarts = 0
         self.weight_version = 0
+        self._weights: Any = None
         self._closed = False
         self._idle: list[int] = []
         self._idle_lock = threading.Condition()
@@ -58,20 +59,18 @@ class RayRollouts:
         ray, dc = self.ray, cfg.distributed
         data = cfg.model_dump()
         t0 = time.perf_counter()
-        weights = ray.put(state_dict(model)) if model is not None else None
+        # Weights go in after start, not as constructor arguments: a restarted actor must get
+        # the latest weights (`_refresh`), not the ones it was created with.
         replica_cls = ray.remote(EngineReplica).options(
             num_cpus=dc.engine_cpus, num_gpus=dc.engine_gpus, max_restarts=dc.max_restarts
         )
-        self.replicas = [replica_cls.remote(data, weights) for _ in range(dc.engine_replicas)]
-        worker_cls = ray.remote(RolloutWorker).options(
-            num_cpus=dc.worker_cpus,
-            max_restarts=dc.max_restarts,
-            # rollouts run one at a time; status and close answer beside a running rollout
-            concurrency_groups={"control": 2},
-            scheduling_strategy="SPREAD",
+        self.replicas = [replica_cls.remote(data, None) for _ in range(dc.engine_replicas)]
+        # rollouts run one at a time; status and close answer beside a running rollout
+        worker_cls = ray.remote(concurrency_groups={"control": 2})(RolloutWorker).options(
+            num_cpus=dc.worker_cpus, max_restarts=dc.max_restarts, scheduling_strategy="SPREAD"
         )
         self.workers = [
-            worker_cls.remote(data, i, self.replicas, weights) for i in range(dc.rollout_workers)
+            worker_cls.remote(data, i, self.replicas, None) for i in range(dc.rollout_workers)
         ]
         ready = [w.ready.remote() for w in self.workers]
         try:
@@ -84,6 +83,8 @@ class RayRollouts:
             ) from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a Ray rollout worker failed to start: {e}") from None
+        if model is not None:
+            self.sync_weights(model)
         self.nodes = sorted({i["node_id"] for i in infos})
         self._idle = list(range(len(self.workers)))
         self._envs_per_tree = float(_nominal_width(cfg))
@@ -116,15 +117,21 @@ class RayRollouts:
 
     def sync_weights(self, model: Any) -> None:
         """Trainer -> every replica (or worker-local engine) through the object store."""
-        ray = self.ray
         t0 = time.perf_counter()
         self.weight_version += 1
-        ref = ray.put(state_dict(model))
+        self._weights = self.ray.put(state_dict(model))
+        self._refresh()
+        self.metrics["distributed/weight_sync_s"] = time.perf_counter() - t0
+
+    def _refresh(self) -> None:
+        """Push the latest weights to every engine (also after an actor restart)."""
+        ray, ref = self.ray, self._weights
+        if ref is None:
+            return
         if self.replicas:
             ray.get([r.load_weights.remote(ref, self.weight_version) for r in self.replicas])
         else:
             ray.get([w.load_weights.remote(ref) for w in self.workers])
-        self.metrics["distributed/weight_sync_s"] = time.perf_counter() - t0
 
     def status(self) -> list[dict[str, Any]]:
         refs = [w.status.options(concurrency_group="control").remote() for w in self.workers]
@@ -212,6 +219,7 @@ class Pending:
         busy = transfer = 0.0
         restarts = depth = 0
         killed: set[Any] = set()
+        refresh = False
         while queue or inflight:
             while queue and not owner._closed:
                 with owner._idle_lock:
@@ -246,6 +254,7 @@ class Pending:
                     trees = lost_trees(chunks[c], w, f"worker died: {type(e).__name__}")
                     stats.env_errors += len(trees)
                     restarts += 1
+                    refresh = True
                 results[c] = trees
                 owner._release(w)
             for ref, (c, w, started) in list(inflight.items()):
@@ -253,6 +262,8 @@ class Pending:
                     # ray.kill with restart: the hung call fails and is handled above
                     ray.kill(owner.workers[w], no_restart=False)
                     killed.add(ref)
+        if refresh:  # restarted actors came back with the checkpoint's weights
+            owner._refresh()
         wall = time.perf_counter() - self.t0
         owner.restarts += restarts
         trees = [t for c in range(len(chunks)) for t in results[c]]
