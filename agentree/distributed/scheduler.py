@@ -115,6 +115,23 @@ class RayRollouts:
             self._idle.append(w)
             self._idle_lock.notify_all()
 
+    def _revive(self, w: int) -> None:
+        """Wait (on a thread) until Ray has restarted worker `w`, give the engines the latest
+        weights (a restarted actor starts from the checkpoint's), then let it take work."""
+
+        def wait() -> None:
+            deadline = time.monotonic() + self.cfg.distributed.start_timeout_s
+            while time.monotonic() < deadline and not self._closed:
+                try:
+                    self.ray.get(self.workers[w].ready.remote(), timeout=30)
+                    self._refresh()
+                    self._release(w)
+                    return
+                except self.ray.exceptions.RayError:
+                    time.sleep(1.0)
+
+        threading.Thread(target=wait, daemon=True).start()
+
     def sync_weights(self, model: Any) -> None:
         """Trainer -> every replica (or worker-local engine) through the object store."""
         t0 = time.perf_counter()
@@ -219,7 +236,7 @@ class Pending:
         busy = transfer = 0.0
         restarts = depth = 0
         killed: set[Any] = set()
-        refresh = False
+        waited = 0.0
         while queue or inflight:
             while queue and not owner._closed:
                 with owner._idle_lock:
@@ -234,9 +251,16 @@ class Pending:
             depth = max(depth, len(queue))
             if owner._closed:
                 raise RuntimeError("the Ray runtime was closed while a rollout was running")
-            if not inflight:
-                time.sleep(0.05)  # another rollout holds every worker
+            if not inflight:  # every worker is busy elsewhere or restarting
+                waited = waited or time.perf_counter()
+                if time.perf_counter() - waited > dc.start_timeout_s + dc.tree_timeout_s:
+                    for c, chunk in queue:  # no worker came back: these trees are lost
+                        results[c] = lost_trees(chunk, -1, "no rollout worker available")
+                        stats.env_errors += len(chunk)
+                    queue.clear()
+                time.sleep(0.05)
                 continue
+            waited = 0.0
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
             now = time.perf_counter()
             for ref in ready:
@@ -251,10 +275,16 @@ class Pending:
                         owner._envs_per_tree, info["peak_envs"] / max(len(trees), 1)
                     )
                 except ray.exceptions.RayError as e:
-                    trees = lost_trees(chunks[c], w, f"worker died: {type(e).__name__}")
+                    if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(
+                        getattr(e, "cause", None), ray.exceptions.RayActorError
+                    ):
+                        raise  # the controller itself failed: a bug to see, not a lost worker
+                    trees = lost_trees(chunks[c], w, f"worker lost: {type(e).__name__}")
                     stats.env_errors += len(trees)
                     restarts += 1
-                    refresh = True
+                    results[c] = trees
+                    owner._revive(w)  # back in the idle pool once Ray has restarted it
+                    continue
                 results[c] = trees
                 owner._release(w)
             for ref, (c, w, started) in list(inflight.items()):
@@ -262,8 +292,6 @@ class Pending:
                     # ray.kill with restart: the hung call fails and is handled above
                     ray.kill(owner.workers[w], no_restart=False)
                     killed.add(ref)
-        if refresh:  # restarted actors came back with the checkpoint's weights
-            owner._refresh()
         wall = time.perf_counter() - self.t0
         owner.restarts += restarts
         trees = [t for c in range(len(chunks)) for t in results[c]]
