@@ -157,6 +157,8 @@ class Trainer:
             metrics["time/update_s"] = time.perf_counter() - t1
         if self._pending is None:
             self.rt.sync_weights(self.model)
+        else:  # engines sampling the pending rollout keep their weights until it is collected
+            self.rt.engine.sync_weights(self.model)
         metrics["time/rollout_s"] = t_roll
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics

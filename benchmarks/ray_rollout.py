@@ -51,7 +51,7 @@ def run_mode(env: str, mode: str, workers: int, args: argparse.Namespace) -> dic
         rows = []
         for _ in range(args.repeats):
             t1 = time.perf_counter()
-            trees, stats = rt.rollout(bench)
+            _trees, stats = rt.rollout(bench)
             rows.append((time.perf_counter() - t1, stats))
     finally:
         rt.close()
