@@ -53,6 +53,9 @@ class RolloutWorker:
         self.status_line = "starting"
         self.busy_s = 0.0
         self.calls = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # the previous incarnation was killed: its sandboxes and snapshots are orphans now
+            sweep_docker(stale=True, force=True)
         self.rt = self._runtime(cfg, replicas, weights)
         env_factory = self.rt.make_env
         self.rt.make_env = lambda: self._track(env_factory())  # type: ignore[method-assign]
@@ -147,4 +150,18 @@ class RolloutWorker:
             with contextlib.suppress(Exception):  # keep closing the others
                 env.close()
         self.rt.scorer.close()
+        sweep_docker(stale=False)
         return len(live)
+
+
+def sweep_docker(*, stale: bool, force: bool = False) -> None:
+    """Remove this process's Docker resources (and, with `stale`, those of dead processes on
+    this host). Only when this process used Docker sandboxes, unless `force`."""
+    import sys
+
+    if "agentree.swe.runtime" not in sys.modules and not force:
+        return
+    from agentree.swe import runtime
+
+    with contextlib.suppress(Exception):
+        runtime.cleanup(session=runtime.session_id(), stale=stale)
