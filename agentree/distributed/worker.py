@@ -161,7 +161,7 @@ def sweep_docker(*, stale: bool, force: bool = False) -> None:
 
     if "agentree.swe.runtime" not in sys.modules and not force:
         return
-    from agentree.swe import runtime
+    with contextlib.suppress(Exception):  # no Docker here: nothing to sweep
+        from agentree.swe import runtime
 
-    with contextlib.suppress(Exception):
         runtime.cleanup(session=runtime.session_id(), stale=stale)
