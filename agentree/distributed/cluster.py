@@ -107,7 +107,19 @@ class LocalCluster:
         if out.returncode != 0:
             raise RuntimeError(f"ray start failed: {out.stderr[-2000:]}")
 
-    def start(self) -> LocalCluster:
+    def start(self, attempts: int = 3) -> LocalCluster:
+        """Start the nodes; Ray gives a node 30 s to register, which a loaded machine can miss,
+        so a failed start is cleaned up and tried again."""
+        for attempt in range(attempts):
+            try:
+                return self._start()
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self.temp_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def _start(self) -> LocalCluster:
         try:
             self._ray(
                 "--head",
