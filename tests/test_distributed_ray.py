@@ -56,7 +56,8 @@ def ray_overrides(address: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(agentree_cache):
-    c = LocalCluster(port=PORT, nodes=2, cpus_per_node=2)
+    # 4 logical CPUs a node: the module's runtime (3 actors) and the Ctrl-C run's (3) fit
+    c = LocalCluster(port=PORT, nodes=2, cpus_per_node=4)
     saved = dict(os.environ)
     try:
         c.start()

@@ -154,7 +154,7 @@ class LocalCluster:
 
     def pids(self) -> list[int]:
         """Processes of this cluster: every Ray process names the cluster's temp dir or port."""
-        return processes_matching(str(self.temp_dir), f":{self.port}")
+        return processes_matching(str(self.temp_dir), f":{self.port}", open_files=True)
 
     def stop(self, timeout: float = 20.0) -> None:
         kill_processes(self.pids(), timeout)
@@ -175,8 +175,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def processes_matching(*needles: str) -> list[int]:
-    """Pids (not ours) whose command line contains any of `needles`."""
+def processes_matching(*needles: str, open_files: bool = False) -> list[int]:
+    """Pids (not ours) whose command line contains any of `needles`, or with `open_files`,
+    that hold a file whose path does (Ray's agents retitle themselves `ray::...` but keep
+    their log files in the cluster's temp dir open)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -185,9 +187,21 @@ def processes_matching(*needles: str) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if any(n in cmd for n in needles):
+        if any(n in cmd for n in needles) or (open_files and _holds(entry, needles)):
             out.append(int(entry.name))
     return out
+
+
+def _holds(proc: Path, needles: tuple[str, ...]) -> bool:
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if any(n in os.readlink(fd) for n in needles):
+                return True
+    return False
 
 
 def kill_processes(pids: list[int], timeout: float = 20.0) -> None:
