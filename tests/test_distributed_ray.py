@@ -132,7 +132,7 @@ def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
 
 def test_killed_worker_fails_only_its_trees(rt):
     pids = [ray.get(w.ready.remote())["pid"] for w in rt.cluster.workers]
-    tasks = rt.load_tasks(32)  # 16 trees a worker: seconds of work, so the kill lands mid-call
+    tasks = rt.load_tasks(32)  # seconds of work, so the kill lands mid-call
     pending = rt.cluster.submit(tasks, rt.controller, 0, None, 5)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # kill worker 0 once its rollout is under way
@@ -143,14 +143,15 @@ def test_killed_worker_fails_only_its_trees(rt):
     os.kill(pids[0], signal.SIGKILL)
     trees, stats = pending.result()
     assert len(trees) == 32
-    lost = [t for t in trees if t.meta["distributed"]["worker"] == 0]
-    kept = [t for t in trees if t.meta["distributed"]["worker"] == 1]
-    assert len(lost) == 16 and len(kept) == 16
+    lost = [t for t in trees if "error" in t.meta["distributed"]]
+    kept = [t for t in trees if "error" not in t.meta["distributed"]]
+    assert 0 < len(lost) < len(trees)  # the chunk that was on worker 0, not the others
+    assert {t.meta["distributed"]["worker"] for t in lost} == {0}
     for t in lost:
         assert [str(n.end_reason) for n in t.leaves()] == ["env_error"]
         assert all(tr.num_policy_tokens == 0 for tr in t.trajectories())
     assert all(n.end_reason != EndReason.ENV_ERROR for t in kept for n in t.leaves())
-    assert stats.env_errors == 16
+    assert stats.env_errors == len(lost)
     assert stats.extra["distributed/worker_restarts"] == 1
     # Ray restarted the actor: the next rollout uses both workers again
     trees, stats = rt.rollout(tasks[:2])
