@@ -163,6 +163,9 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them."""
 
+    async_steps: int = Field(0, ge=0, le=1)
+    """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs)."""
+
     @model_validator(mode="after")
     def _check_advantage_options(self) -> TrainConfig:
         from agentree.advantages import check_advantage_options
@@ -201,6 +204,34 @@ class LogConfig(_Section):
     """Weights & Biases logging (off unless `project` is set)."""
 
 
+class DistributedConfig(_Section):
+    backend: Literal["local", "ray"] = "local"
+    """local: everything in this process; ray: rollout workers and engines as Ray actors."""
+    address: str = "local"
+    """local (a private Ray instance here), auto (the running cluster) or ray://host:port."""
+    rollout_workers: int = Field(2, ge=1)
+    """Rollout worker actors; each owns the envs and sandboxes of the trees it runs."""
+    engine_replicas: int = Field(1, ge=0)
+    """Policy engine actors shared by the workers; 0 gives every worker its own engine."""
+    max_sandboxes_per_worker: int = Field(32, ge=1)
+    """Most envs (Docker sandboxes) one worker holds at a time; bounds trees per call."""
+    worker_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by each rollout worker."""
+    engine_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by each engine replica."""
+    engine_gpus: float = Field(0.0, ge=0.0)
+    """Ray GPUs reserved by each engine replica."""
+    max_restarts: int = Field(3, ge=-1)
+    """Times Ray restarts a dead worker or engine actor (-1: forever)."""
+    tree_timeout_s: float = Field(1800.0, gt=0.0)
+    """A worker call running longer than this per tree is killed; its trees end as env_error."""
+    start_timeout_s: float = Field(300.0, gt=0.0)
+    """Time allowed for actors to start (model load included)."""
+    py_modules: list[str] = Field(default_factory=list)
+    """Local packages shipped to every worker (Ray runtime_env), e.g. the package of a
+    `module:Class` env that the other nodes do not have installed."""
+
+
 class ExperimentConfig(_Section):
     seed: int = 0
     """Seeds weights of tiny policies, task order and sampling."""
@@ -220,6 +251,7 @@ class ExperimentConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     """Experiment trackers (TensorBoard, Weights & Biases) besides metrics.jsonl."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     def component(self, section: str) -> tuple[str, dict[str, Any]]:
         """(name, settings) of the env/rollout/scorer section."""

@@ -59,6 +59,11 @@ def check_train_config(tc: TrainConfig) -> None:
             "train.dtype=bf16 needs train.fsdp=true: FSDP2's mixed precision keeps the fp32 "
             "master weights (world_size 1 is fine)"
         )
+    if tc.async_steps and needs_parallel_trainer(tc):
+        raise ValueError(
+            "train.async_steps=1 runs with the single-process trainer only; drop it, or drop "
+            "train.fsdp / train.lora / train.gradient_checkpointing / train.world_size"
+        )
 
 
 def needs_parallel_trainer(tc: TrainConfig) -> bool:
@@ -290,6 +295,7 @@ class ParallelTrainer(Trainer):
         self._cursor = 0
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
+        self._pending: tuple[Any, int] | None = None
         log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
         self.tracker = Tracker(log_cfg, run_dir, cfg.model_dump(), tc.trees_every)
         self.sync_engine()
@@ -302,7 +308,7 @@ class ParallelTrainer(Trainer):
         payload = None
         if self.rt is not None:
             self._step_start = self._loop_state()
-            trees, trajs, stats, dropped = self._collect()
+            trees, trajs, stats, dropped, _ = self._collect()
             metrics = self._rollout_metrics(trees, trajs, stats)
             metrics["train/groups_dropped"] = dropped
             metrics["time/rollout_s"] = time.perf_counter() - t0

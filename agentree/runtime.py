@@ -14,14 +14,24 @@ from agentree.chat import ChatFormat
 from agentree.config import ExperimentConfig
 from agentree.engines.base import SamplingParams
 from agentree.envs.base import Env, Task, env_class
-from agentree.rollout.base import RolloutContext, RolloutStats, make_controller
+from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.rollout.flat import FlatConfig, FlatGRPO
 from agentree.scorers.base import NoScorer, make_scorer
 from agentree.tree import Trajectory, Tree
 
 
 class Runtime:
-    def __init__(self, cfg: ExperimentConfig, log: Callable[[str], None] = print) -> None:
+    """With `distributed.backend=ray`, `rollout`/`submit` run the same controller on Ray rollout
+    workers (`agentree.distributed`); each worker builds its own local `Runtime`, passing the
+    shared engine replicas' client as `engine`."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        log: Callable[[str], None] = print,
+        *,
+        engine: Any = None,
+    ) -> None:
         self.cfg = cfg
         self.log = log
         env_name, self.env_kwargs = cfg.component("env")
@@ -44,9 +54,22 @@ class Runtime:
         finally:
             probe.close()
         self.policy_path = resolve_policy(cfg, log)
-        self.engine, self.model, self.tokenizer = build_engine(cfg, self.policy_path)
+        if engine is None:
+            self.engine, self.model, self.tokenizer = build_engine(cfg, self.policy_path)
+        else:
+            self.engine, self.model, self.tokenizer = engine, None, engine.tokenizer
         self.chat = ChatFormat(self.tokenizer)
         self.rng = random.Random(cfg.seed)
+        self._snapshot: Any = None
+        self.cluster: Any = None
+        if cfg.distributed.backend == "ray":
+            from agentree.distributed.scheduler import RayRollouts
+
+            try:
+                self.cluster = RayRollouts(cfg, self.model, log=log)
+            except BaseException:
+                self.engine.close()
+                raise
 
     def make_env(self) -> Env:
         return self.env_cls(**self.env_kwargs)
@@ -85,11 +108,28 @@ class Runtime:
         )
 
     def rollout(
-        self, tasks: Sequence[Task], *, step: int = 0, progress: Any = None
+        self,
+        tasks: Sequence[Task],
+        *,
+        step: int = 0,
+        progress: Any = None,
+        controller: Controller | None = None,
+        temperature: float | None = None,
+        rng: random.Random | None = None,
     ) -> tuple[list[Tree], RolloutStats]:
-        """Trees for `tasks`; not a single trajectory among them is an error saying why."""
-        trees, stats = self.controller.rollout(tasks, self.context(step=step, progress=progress))
-        if trees and not any(self.controller.group(tree) for tree in trees):
+        """One tree per task, here or on the Ray rollout workers; not a single trajectory
+        among them is an error saying why."""
+        controller = controller or self.controller
+        if self.cluster is not None:
+            seed = (rng or self.rng).getrandbits(63)
+            pending = self.cluster.submit(tasks, controller, step, temperature, seed)
+            trees, stats = pending.result(progress)
+        else:
+            ctx = self.context(step=step, temperature=temperature, progress=progress)
+            if rng is not None:
+                ctx.rng = rng
+            trees, stats = controller.rollout(tasks, ctx)
+        if trees and not any(controller.group(tree) for tree in trees):
             raise ValueError(f"no trajectory could be produced: {self.why_empty(trees)}")
         return trees, stats
 
@@ -116,6 +156,47 @@ class Runtime:
             f"(end reasons: {dict(reasons)}){detail}"
         )
 
+    def submit(self, tasks: Sequence[Task], *, step: int = 0) -> Any:
+        """Start a rollout without waiting; `.result()` returns (trees, stats). In-process the
+        rollout runs on a thread against `self.engine` (see `agentree.distributed.local`)."""
+        if self.cluster is not None:
+            seed = self.rng.getrandbits(63)
+            return self.cluster.submit(tasks, self.controller, step, None, seed)
+        from agentree.distributed.local import ThreadRollout
+
+        return ThreadRollout(self, tasks, step)
+
+    def snapshot_engine(self) -> Any:
+        """A second local engine over a copy of the policy, for rollouts that overlap updates."""
+        if self._snapshot is None:
+            import copy
+
+            from agentree.engines.hf import HFEngine
+
+            if not isinstance(self.engine, HFEngine):
+                raise ValueError(
+                    "train.async_steps=1 in-process needs engine.backend=transformers; "
+                    "use distributed.backend=ray for other engines"
+                )
+            e = self.cfg.engine
+            model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self._snapshot = HFEngine(
+                model,
+                self.tokenizer,
+                prefix_cache_mb=e.prefix_cache_mb,
+                max_batch_size=e.max_batch_size,
+                seed=self.cfg.seed + 1,
+            )
+        return self._snapshot
+
+    def sync_weights(self, model: Any) -> None:
+        """Give every engine (the local one, its snapshot and the Ray replicas) the weights."""
+        self.engine.sync_weights(model)
+        if self._snapshot is not None:
+            self._snapshot.sync_weights(model)
+        if self.cluster is not None:
+            self.cluster.sync_weights(model)
+
     @staticmethod
     def success(tree: Tree, traj: Trajectory) -> bool:
         """The env's `success` flag at the leaf, else reward >= 1."""
@@ -123,8 +204,12 @@ class Runtime:
         return bool(info.get("success", traj.reward >= 1.0))
 
     def close(self) -> None:
-        self.scorer.close()
-        self.engine.close()
+        try:
+            if self.cluster is not None:
+                self.cluster.close()
+        finally:
+            self.scorer.close()
+            self.engine.close()
 
 
 def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
@@ -185,11 +270,9 @@ def evaluate(
     rt.engine.seed(seed)
     t0 = time.perf_counter()
     controller = FlatGRPO(FlatConfig(G=k))
-    ctx = rt.context(temperature=cfg.eval.temperature)
-    ctx.rng = random.Random(seed)
-    trees, stats = controller.rollout(tasks, ctx)
-    if trees and not any(controller.group(tree) for tree in trees):
-        raise ValueError(f"no trajectory could be produced: {rt.why_empty(trees)}")
+    trees, stats = rt.rollout(
+        tasks, controller=controller, temperature=cfg.eval.temperature, rng=random.Random(seed)
+    )
     per_task = []
     for tree in trees:
         trajs = controller.group(tree)

@@ -46,7 +46,7 @@ from agentree.resume import StopSignals, trim_metrics
 from agentree.rollout.base import RolloutStats, action_format
 from agentree.runtime import Runtime, evaluate
 from agentree.tracking import Tracker
-from agentree.tree import Trajectory, Tree, save_trees
+from agentree.tree import EndReason, Trajectory, Tree, save_trees
 from agentree.update import PolicyUpdate
 
 __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
@@ -55,11 +55,17 @@ __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 class Trainer:
     """Owns the runtime (policy, engine, envs, controller), the optimiser and the run dir."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: Path,
+        log: Callable[[str], None] = print,
+        runtime: Runtime | None = None,
+    ):
         self.cfg = cfg
         self.dir = run_dir
         self.log = log
-        self.rt = Runtime(cfg, log=log)
+        self.rt = runtime or Runtime(cfg, log=log)
         self.model = self.rt.model
         tc = cfg.train
         self.ref = None
@@ -82,6 +88,8 @@ class Trainer:
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
         self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
+        self._pending: tuple[Any, int] | None = None
+        """async_steps=1: the next step's rollout in flight, and the weight version it samples."""
 
     # -- tasks -------------------------------------------------------------------------------
     def next_tasks(self, n: int) -> list[Task]:
@@ -133,28 +141,56 @@ class Trainer:
         return metrics
 
     def train_step(self) -> dict[str, float]:
+        """Roll out, update, sync. With `async_steps=1` the rollout of step t+1 is started
+        (on the weights of step t) before step t's update and collected at step t+1, so every
+        batch is at most one update stale and its pi_old is the sampling log-probs."""
         tc = self.cfg.train
         t0 = time.perf_counter()
         self._step_start = self._loop_state()  # what a checkpoint holds if the rollout is cut
-        trees, trajs, stats, dropped = self._collect()
+        trees, trajs, stats, dropped, version = self._collect()
         t_roll = time.perf_counter() - t0
+        staleness = self.step - version
+        if tc.async_steps and self.step + 1 < tc.steps:
+            self._pending = (
+                self.rt.submit(self.next_tasks(tc.tasks_per_step), step=self.step + 1),
+                self.step,
+            )
         metrics = self._rollout_metrics(trees, trajs, stats)
         metrics["train/groups_dropped"] = dropped
+        metrics["train/staleness"] = float(staleness)
         if tc.trees_every and (self.step + 1) % tc.trees_every == 0:
             self.save_trees(trees)
         usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
         self.stop.hold()  # an interrupted update would checkpoint half-updated weights
         if usable:
             t1 = time.perf_counter()
-            metrics.update(self.update([u[0] for u in usable], [u[1] for u in usable]))
+            metrics.update(
+                self.update([u[0] for u in usable], [u[1] for u in usable], stale=staleness > 0)
+            )
             metrics["time/update_s"] = time.perf_counter() - t1
-        self.rt.engine.sync_weights(self.model)
+        if self._pending is None:
+            self.rt.sync_weights(self.model)
+        else:  # engines sampling the pending rollout keep their weights until it is collected
+            self.rt.engine.sync_weights(self.model)
         metrics["time/rollout_s"] = t_roll
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def _collect(self) -> tuple[list[Tree], list[list[Trajectory]], RolloutStats, int]:
-        """Roll out a batch; with dynamic sampling, replace uninformative groups."""
+    def _first_round(self, n: int) -> tuple[list[Tree], RolloutStats, int]:
+        """The prefetched rollout (async) or a fresh one; and the weight version it sampled."""
+        if self._pending is None:
+            return *self.rt.rollout(self.next_tasks(n), step=self.step), self.step
+        pending, version = self._pending
+        self._pending = None
+        trees, st = pending.result()
+        # replicas were left on the old weights while that rollout ran; catch them up now
+        self.rt.sync_weights(self.model)
+        return trees, st, version
+
+    def _collect(self) -> tuple[list[Tree], list[list[Trajectory]], RolloutStats, int, int]:
+        """Roll out a batch; with dynamic sampling, replace uninformative groups.
+        Trajectories that ended in an env error (a crashed env or a lost worker) are not the
+        policy's doing and stay out of the loss."""
         tc = self.cfg.train
         stats = RolloutStats()
         keep_trees: list[Tree] = []
@@ -162,11 +198,16 @@ class Trainer:
         dropped = 0
         need = tc.tasks_per_step
         rounds = 0
+        version = self.step
         while need > 0:
-            trees, st = self.rt.rollout(self.next_tasks(need), step=self.step)
+            if rounds == 0:
+                trees, st, version = self._first_round(need)
+            else:
+                trees, st = self.rt.rollout(self.next_tasks(need), step=self.step)
             stats.add(st)
             for tree in trees:
                 group = self.rt.controller.group(tree)
+                group = [t for t in group if t.end_reason != EndReason.ENV_ERROR]
                 informative = len({t.reward for t in group}) > 1
                 if tc.dynamic_sampling and not informative and rounds < tc.max_refill_rounds:
                     dropped += 1
@@ -177,7 +218,7 @@ class Trainer:
             rounds += 1
             if not tc.dynamic_sampling:
                 break
-        return keep_trees, keep_trajs, stats, dropped
+        return keep_trees, keep_trajs, stats, dropped, version
 
     def _rollout_metrics(
         self, trees: list[Tree], trajs: list[list[Trajectory]], stats: RolloutStats
@@ -186,7 +227,9 @@ class Trainer:
         n = max(len(flat), 1)
         d = stats.to_dict()
         m: dict[str, float] = {
-            f"rollout/{k}": float(v) for k, v in d.items() if isinstance(v, int | float)
+            k if k.startswith("distributed/") else f"rollout/{k}": float(v)
+            for k, v in d.items()
+            if isinstance(v, int | float)
         }
         m["scorer/calls"] = float(stats.scorer_calls)
         m["scorer/fallbacks"] = float(stats.scorer_fallbacks)
@@ -202,9 +245,11 @@ class Trainer:
         return m
 
     # -- update ------------------------------------------------------------------------------
-    def update(self, trees: list[Tree], groups: list[list[Trajectory]]) -> dict[str, float]:
+    def update(
+        self, trees: list[Tree], groups: list[list[Trajectory]], stale: bool = False
+    ) -> dict[str, float]:
         self.updater.model = self.model
-        return self.updater(trees, groups, lr=lr_at(self.cfg.train, self.step))
+        return self.updater(trees, groups, lr=lr_at(self.cfg.train, self.step), stale=stale)
 
     # -- run directory -----------------------------------------------------------------------
     def write_metrics(self, metrics: dict[str, float]) -> None:
@@ -254,7 +299,7 @@ class Trainer:
         self.rng.setstate(state["rng"])
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
-        self.rt.engine.sync_weights(self.model)
+        self.rt.sync_weights(self.model)
         trim_metrics(self.dir / "metrics.jsonl", self.step)
         return True
 

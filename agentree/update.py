@@ -4,7 +4,10 @@ gradient accumulation, optimiser steps.
 The objective is `agentree.loss.policy_loss` (see `agentree.trainer` for the formula). With
 `epochs == minibatches == 1` the update is fully on-policy: pi_old equals the current weights,
 so its log-probs are the detached ones of the training forward and need no extra pass.
-Otherwise pi_old is recomputed once before the first optimiser step, as verl does. The loss
+Otherwise pi_old is recomputed once before the first optimiser step, as verl does. For stale
+data (`stale=True`: sampled by weights older than the current ones, `train.async_steps=1`)
+pi_old is the behaviour policy itself, i.e. the sampling log-probs stored in the tree, so the
+ratio corrects for the staleness instead of hiding it. The loss
 normaliser of each optimiser step is computed over all of its micro-batches, so gradient
 accumulation gives the gradient of the whole minibatch. Micro-batches are padded rows or
 tree-packed rows (`train.packing`, `agentree.packing`); both give the loss the same tensors.
@@ -77,17 +80,21 @@ class PolicyUpdate:
         trees: list[Tree],
         groups: list[list[Trajectory]],
         lr: float | Callable[[], float],
+        stale: bool = False,
     ) -> dict[str, float]:
         tc = self.tc
         temp = self.temperature
         micro = self.batches(trees, groups)
-        on_policy = tc.epochs == 1 and tc.minibatches == 1
+        on_policy = tc.epochs == 1 and tc.minibatches == 1 and not stale
         old: list[torch.Tensor | None] = []
         ref: list[torch.Tensor | None] = []
         with torch.no_grad():
             self.model.eval()
             for b in micro:
-                old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
+                if stale:
+                    old.append(b.sampled_lp.float())
+                else:
+                    old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
                 ref.append(None if self.ref is None else batch_logprobs(self.ref, b, temp).cpu())
         (n_tok,) = self.global_sum([float(sum(b.mask.sum() for b in micro))])
         drift = 0.0
@@ -110,8 +117,9 @@ class PolicyUpdate:
                     lp = batch_logprobs(self.model, b, temp)
                     old_i = old[i]
                     old_lp = lp.detach() if old_i is None else old_i.to(dev)
-                    if epoch == 0:
-                        drift += float(((old_lp.cpu() - b.sampled_lp).abs() * b.mask).sum())
+                    if epoch == 0:  # stale data: drift of the current weights from the sampler
+                        cur = (lp.detach() if stale else old_lp).cpu()
+                        drift += float(((cur - b.sampled_lp).abs() * b.mask).sum())
                     ref_i = ref[i]
                     loss, met = policy_loss(
                         lp,

@@ -1,0 +1,15 @@
+"""Scale-out runtime on Ray: rollout workers, engine replicas, asynchronous rollouts.
+
+Nothing here is imported by `import agentree`; `distributed.backend=ray` loads it. The pieces:
+
+- `cluster`: connect to (or start) a Ray cluster; start/stop a local test cluster.
+- `engine`: `EngineReplica` actor (a transformers engine) and `RemoteEngine`, the client that
+  implements the `agentree.engines.base.Engine` protocol with prefix-affinity routing.
+- `worker`: `RolloutWorker` actor; it builds an ordinary local `Runtime` and runs the same
+  controller code (`agentree.rollout.*`) that runs in-process, one chunk of trees per call.
+- `scheduler`: `RayRollouts`, which owns the actors, balances trees across workers, turns dead
+  or hung workers into `env_error` trees, syncs weights through the object store and reports
+  `distributed/*` metrics.
+- `local`: the in-process counterpart of an asynchronous rollout (a thread and a weight
+  snapshot), used by `train.async_steps=1` without Ray.
+"""

@@ -1,0 +1,212 @@
+"""Engine replicas as Ray actors, and the client that routes requests to them.
+
+`EngineReplica` wraps the same engine `agentree train` builds in-process (`build_engine`:
+transformers or vLLM). `RemoteEngine` implements the `Engine` protocol over a list of replica
+handles, so a rollout worker's controller cannot tell it from a local engine.
+
+Routing is by prefix affinity: the branches of one tree extend the same prompt, so a request
+goes to the replica that already served the longest earlier prompt that is a prefix of it
+(block-aligned hashes, the same idea as the engines' own prefix caches); a prompt with no such
+history goes to the replica with the fewest trees. Routing only decides where a prefix cache
+can hit, never what is sampled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from agentree.engines.base import Completion, EngineStats, SamplingParams
+
+BLOCK = 16
+"""Tokens per routing block (matches the transformers engine's prefix-cache block)."""
+
+
+class EngineReplica:
+    """One policy engine in its own process; weights arrive through the object store."""
+
+    def __init__(self, cfg_data: dict[str, Any], weights: dict[str, Any] | None) -> None:
+        from agentree.config import validate_config
+        from agentree.runtime import build_engine, resolve_policy
+
+        cfg = validate_config(cfg_data)
+        path = resolve_policy(cfg, lambda _msg: None)
+        self.engine, self.model, self.tokenizer = build_engine(cfg, path)
+        self.sessions: dict[int, Any] = {}
+        self.version = 0
+        if weights is not None:
+            self.load_weights(weights, 0)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "eos_token_ids": self.engine.eos_token_ids,
+            "max_model_len": self.engine.max_model_len,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> tuple[list[list[Completion]], dict[str, int]]:
+        before = self.engine.stats.snapshot()
+        out = self.engine.generate(prompts, params)
+        after = self.engine.stats.snapshot()
+        return out, {k: after[k] - before[k] for k in after}
+
+    def load_weights(self, weights: dict[str, Any], version: int) -> float:
+        """Adopt the trainer's state dict (a Ray object: no file round-trip); seconds taken."""
+        t0 = time.perf_counter()
+        self.model.load_state_dict(weights)
+        self.engine.sync_weights(self.model)  # drops KV cached under the old weights
+        self.version = version
+        return time.perf_counter() - t0
+
+    def seed(self, seed: int) -> None:
+        self.engine.seed(seed)
+
+    def checksum(self) -> float:
+        """Sum of all weights, to check that a sync arrived."""
+        return sum(float(v.double().sum()) for v in self.model.state_dict().values())
+
+    # -- step-wise sessions (token-level controllers) -----------------------------------------
+    def open_session(self, prompts: list[list[int]], temperature: float) -> tuple[int, int]:
+        s = self.engine.open_session(prompts, temperature)
+        sid = id(s)
+        self.sessions[sid] = s
+        return sid, s.num_rows
+
+    def session_next(self, sid: int) -> Any:
+        return self.sessions[sid].next_logprobs().cpu()
+
+    def session_fork(self, sid: int, rows: list[int]) -> int:
+        s = self.sessions[sid]
+        s.fork(rows)
+        return s.num_rows
+
+    def session_append(self, sid: int, tokens: list[int]) -> None:
+        self.sessions[sid].append(tokens)
+
+    def session_close(self, sid: int) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.close()
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.session_close(sid)
+        self.engine.close()
+
+
+class RemoteSession:
+    """`DecodeSession` proxy for a session held by one replica."""
+
+    def __init__(self, replica: Any, sid: int, rows: int) -> None:
+        self.replica, self.sid, self._rows = replica, sid, rows
+
+    @property
+    def num_rows(self) -> int:
+        return self._rows
+
+    def next_logprobs(self) -> Any:
+        return ray.get(self.replica.session_next.remote(self.sid))
+
+    def fork(self, rows: Sequence[int]) -> None:
+        self._rows = ray.get(self.replica.session_fork.remote(self.sid, list(rows)))
+
+    def append(self, tokens: Sequence[int]) -> None:
+        ray.get(self.replica.session_append.remote(self.sid, list(tokens)))
+
+    def close(self) -> None:
+        ray.get(self.replica.session_close.remote(self.sid))
+
+
+class RemoteEngine:
+    """The `Engine` protocol over engine replicas, with prefix-affinity routing."""
+
+    def __init__(self, replicas: Sequence[Any], tokenizer: Any, info: dict[str, Any]) -> None:
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.stats = EngineStats()
+        self._eos = tuple(info["eos_token_ids"])
+        self._max_len = int(info["max_model_len"])
+        self._owner: dict[int, int] = {}  # hash of a served prompt's block-aligned prefix
+        self._trees = [0] * len(self.replicas)
+        self.routed = [0] * len(self.replicas)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    def route(self, prompt: Sequence[int]) -> int:
+        """Replica for `prompt`: owner of its longest known prefix, else the least used."""
+        hashes = block_hashes(prompt)
+        for h in reversed(hashes):
+            r = self._owner.get(h)
+            if r is not None:
+                break
+        else:
+            r = min(range(len(self.replicas)), key=lambda i: (self._trees[i], i))
+            self._trees[r] += 1
+        if hashes:
+            self._owner[hashes[-1]] = r
+        self.routed[r] += 1
+        return r
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        by_replica: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_replica.setdefault(self.route(p), []).append(i)
+        refs = {
+            r: self.replicas[r].generate.remote([list(prompts[i]) for i in idx], params)
+            for r, idx in by_replica.items()
+        }
+        out: list[list[Completion] | None] = [None] * len(prompts)
+        for r, (comps, delta) in zip(refs, ray.get(list(refs.values())), strict=True):
+            for i, c in zip(by_replica[r], comps, strict=True):
+                out[i] = c
+            self.stats.tokens_generated += delta["tokens_generated"]
+            self.stats.tokens_prefilled += delta["tokens_prefilled"]
+            self.stats.tokens_cached += delta["tokens_cached"]
+            self.stats.tokens_forward += delta["tokens_forward"]
+        self.stats.calls += 1
+        return [c for c in out if c is not None]
+
+    def open_session(
+        self, prompts: Sequence[Sequence[int]], temperature: float = 1.0
+    ) -> RemoteSession:
+        r = self.route(prompts[0]) if prompts else 0
+        replica = self.replicas[r]
+        sid, rows = ray.get(replica.open_session.remote([list(p) for p in prompts], temperature))
+        self.stats.calls += 1
+        return RemoteSession(replica, sid, rows)
+
+    def seed(self, seed: int) -> None:
+        ray.get([r.seed.remote(seed + i) for i, r in enumerate(self.replicas)])
+
+    def sync_weights(self, model: Any) -> None:
+        """Replicas are synced by the driver (`RayRollouts.sync_weights`), once for all
+        workers; a worker holds no weights of its own."""
+
+    def close(self) -> None:
+        pass
+
+
+def block_hashes(tokens: Sequence[int]) -> list[int]:
+    """Chained hashes of each full BLOCK of `tokens`: entry j identifies tokens[: (j+1)*BLOCK]."""
+    out, h = [], 0
+    for s in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        h = hash((h, tuple(tokens[s : s + BLOCK])))
+        out.append(h)
+    return out

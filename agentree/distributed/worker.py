@@ -1,0 +1,167 @@
+"""Rollout workers: Ray actors that run the in-process controller code on chunks of trees.
+
+A worker builds an ordinary `Runtime` (env class, controller, scorer, chat format) with the
+engine replicas' client as its engine (or its own local engine when `engine_replicas=0`), and
+runs `controller.rollout(chunk, ctx)` exactly as `agentree rollout` does in-process. A tree
+never leaves the worker that started it, so its forks (env snapshots, Docker snapshot images)
+stay on that worker's host. Every env the worker creates is tracked, so `close()` releases
+them even while a rollout is still running on the other thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from agentree.envs.base import Env, Task
+from agentree.rollout.base import Controller, RolloutStats
+from agentree.tree import Tree
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cfg_data: dict[str, Any],
+        index: int,
+        replicas: Sequence[Any],
+        weights: dict[str, Any] | None,
+    ) -> None:
+        from agentree.config import validate_config
+
+        self.index = index
+        self.node_id = ray.get_runtime_context().get_node_id()
+        data = {**cfg_data, "distributed": {**cfg_data["distributed"], "backend": "local"}}
+        try:
+            cfg = validate_config(data)
+        except (ValueError, ImportError) as e:
+            raise RuntimeError(
+                f"rollout worker {index} on node {self.node_id[:12]} cannot load the config "
+                f"({e}); install the env's package on every node or list it in "
+                "distributed.py_modules"
+            ) from None
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._live: list[Env] = []
+        self.peak_envs = 0
+        self.status_line = "starting"
+        self.busy_s = 0.0
+        self.calls = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # the previous incarnation was killed: its sandboxes and snapshots are orphans now
+            sweep_docker(stale=True, force=True)
+        self.rt = self._runtime(cfg, replicas, weights)
+        env_factory = self.rt.make_env
+        self.rt.make_env = lambda: self._track(env_factory())  # type: ignore[method-assign]
+        self.status_line = "idle"
+
+    @staticmethod
+    def _runtime(cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None) -> Any:
+        from agentree.runtime import Runtime, resolve_policy
+
+        if not replicas:  # a private engine in this process
+            rt = Runtime(cfg, log=lambda _m: None)
+            if weights is not None:
+                rt.model.load_state_dict(weights)
+                rt.engine.sync_weights(rt.model)
+            return rt
+        from transformers import AutoTokenizer
+
+        from agentree.distributed.engine import RemoteEngine
+
+        path = resolve_policy(cfg, lambda _m: None)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        info = ray.get(replicas[0].info.remote())
+        return Runtime(cfg, log=lambda _m: None, engine=RemoteEngine(replicas, tokenizer, info))
+
+    def _track(self, env: Env) -> Env:
+        close = env.close
+
+        def tracked_close() -> None:
+            with self._lock:
+                if env in self._live:
+                    self._live.remove(env)
+            close()
+
+        env.close = tracked_close  # type: ignore[method-assign]
+        with self._lock:
+            self._live.append(env)
+            self.peak_envs = max(self.peak_envs, len(self._live))
+        return env
+
+    def ready(self) -> dict[str, Any]:
+        return {"index": self.index, "node_id": self.node_id, "pid": os.getpid()}
+
+    def rollout(
+        self,
+        tasks: list[Task],
+        controller: Controller,
+        step: int,
+        temperature: float | None,
+        seed: int,
+    ) -> tuple[list[Tree], RolloutStats, dict[str, Any]]:
+        """The same call `Runtime.rollout` makes in-process, on this worker's envs."""
+        t0 = time.perf_counter()
+        self.peak_envs = len(self._live)
+        self.status_line = f"{len(tasks)} trees"
+
+        def report(msg: str) -> None:
+            self.status_line = f"{len(tasks)} trees: {msg}"
+
+        ctx = self.rt.context(step=step, temperature=temperature, progress=report)
+        ctx.rng = random.Random(seed)
+        try:
+            trees, stats = controller.rollout(tasks, ctx)
+        finally:
+            self.status_line = "idle"
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+        meta = {"worker": self.index, "node_id": self.node_id, "pid": os.getpid()}
+        for tree in trees:
+            tree.meta["distributed"] = dict(meta)
+        return trees, stats, {"busy_s": time.perf_counter() - t0, "peak_envs": self.peak_envs}
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """Only for a worker with its own engine (`engine_replicas=0`)."""
+        if self.rt.model is not None:
+            self.rt.model.load_state_dict(weights)
+            self.rt.engine.sync_weights(self.rt.model)
+
+    # -- control (runs on its own thread, beside a running rollout) ----------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "status": self.status_line,
+            "live_envs": len(self._live),
+            "busy_s": self.busy_s,
+        }
+
+    def close(self) -> int:
+        """Close every env this worker still holds (containers, snapshot images); how many."""
+        with self._lock:
+            live = list(self._live)
+        for env in live:
+            with contextlib.suppress(Exception):  # keep closing the others
+                env.close()
+        self.rt.scorer.close()
+        sweep_docker(stale=False)
+        return len(live)
+
+
+def sweep_docker(*, stale: bool, force: bool = False) -> None:
+    """Remove this process's Docker resources (and, with `stale`, those of dead processes on
+    this host). Only when this process used Docker sandboxes, unless `force`."""
+    import sys
+
+    if "agentree.swe.runtime" not in sys.modules and not force:
+        return
+    with contextlib.suppress(Exception):  # no Docker here: nothing to sweep
+        from agentree.swe import runtime
+
+        runtime.cleanup(session=runtime.session_id(), stale=stale)

@@ -1,0 +1,270 @@
+"""The Ray runtime on a real two-node Ray cluster on this machine (a head and a second
+`ray start` process group): same trees as in-process, trees on both nodes, a worker killed
+mid-rollout, Ctrl-C of `agentree rollout` with nothing left, and asynchronous training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
+
+from helpers import interruptible  # noqa: E402
+
+from agentree.config import load_config  # noqa: E402
+from agentree.distributed.cluster import LocalCluster, processes_matching  # noqa: E402
+from agentree.distributed.engine import RemoteEngine, block_hashes  # noqa: E402
+from agentree.runtime import Runtime  # noqa: E402
+from agentree.tree import EndReason, Tree  # noqa: E402
+from agentree.update import PolicyUpdate  # noqa: E402
+
+PORT = 6393
+SMALL = [
+    "engine.max_tokens=6",
+    "env.max_turns=4",
+    "rollout.K=2",
+    "rollout.B0=2",
+    "engine.temperature=0",  # greedy: the same trees wherever they run
+    "train.tasks_per_step=4",
+    "train.micro_batch_size=8",
+    "train.kl_coef=0",
+    "train.trees_every=0",
+    "train.save_every=0",
+    "eval.tasks=2",
+    "eval.samples=1",
+]
+
+
+def ray_overrides(address: str) -> list[str]:
+    return [
+        "distributed.backend=ray",
+        f"distributed.address={address}",
+        "distributed.rollout_workers=2",
+        "distributed.engine_replicas=1",
+        "distributed.max_restarts=2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster(agentree_cache):
+    # 4 logical CPUs a node: the module's runtime (3 actors) and the Ctrl-C run's (3) fit
+    c = LocalCluster(port=PORT, nodes=2, cpus_per_node=4)
+    saved = dict(os.environ)
+    try:
+        c.start()
+        os.environ.update(c.env())
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+        assert c.pids() == [], "processes of the test cluster were left running"
+
+
+@pytest.fixture(scope="module")
+def rt(cluster, tiny_frozenlake):
+    cfg = load_config("frozenlake_patr", overrides=SMALL + ray_overrides(cluster.address))
+    runtime = Runtime(cfg, log=lambda _m: None)
+    yield runtime
+    runtime.close()
+
+
+def strip(tree: Tree) -> list[tuple]:
+    """What the policy and the env decided, node by node (timings and placement excluded)."""
+    return [
+        (n.parent, n.action_ids, n.obs_ids, n.reward, n.score, str(n.end_reason), n.children)
+        for n in tree.nodes
+    ]
+
+
+def test_route_by_prefix_affinity():
+    eng = RemoteEngine(
+        [None, None], tokenizer=None, info={"eos_token_ids": [0], "max_model_len": 9}
+    )
+    a, b = list(range(40)), list(range(100, 140))
+    assert [eng.route(a), eng.route(b)] == [0, 1]  # new trees: least-used replica
+    assert eng.route(a + [7] * 20) == 0  # a branch continuing tree a stays with a's replica
+    assert eng.route(b + [8] * 33) == 1
+    assert eng.route(list(range(200, 230))) == 0  # next new tree balances again
+    assert len(block_hashes(list(range(40)))) == 2  # 16-token blocks, partial block ignored
+
+
+def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
+    tasks = rt.load_tasks(4)
+    trees, stats = rt.rollout(tasks, rng=random.Random(11))
+    assert stats.extra["distributed/chunks"] == 2
+    # the in-process reference: the same controller on the same chunks with the same seeds
+    seed = random.Random(11).getrandbits(63)
+    local_cfg = rt.cfg.model_copy(deep=True)
+    local_cfg.distributed.backend = "local"
+    local = Runtime(local_cfg, log=lambda _m: None)
+    try:
+        ref = []
+        size = rt.cluster.chunk_size(len(tasks))
+        for c in range(0, len(tasks), size):
+            ctx = local.context()
+            ctx.rng = random.Random(seed + c // size)
+            ref += local.controller.rollout(tasks[c : c + size], ctx)[0]
+    finally:
+        local.close()
+    assert [t.task_id for t in trees] == [t.task_id for t in ref]
+    for got, want in zip(trees, ref, strict=True):
+        assert strip(got) == strip(want)
+        for g, w in zip(got.nodes, want.nodes, strict=True):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    placed = {t.meta["distributed"]["node_id"] for t in trees}
+    assert len(nodes) == 2 and placed == nodes  # one worker per node (SPREAD)
+    assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
+    assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
+
+
+def test_killed_worker_fails_only_its_trees(rt):
+    pids = [ray.get(w.ready.remote())["pid"] for w in rt.cluster.workers]
+    tasks = rt.load_tasks(32)  # seconds of work, so the kill lands mid-call
+    pending = rt.cluster.submit(tasks, rt.controller, 0, None, 5)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # kill worker 0 once its rollout is under way
+        st = {s.get("index"): s for s in rt.cluster.status()}
+        if "trees" in st.get(0, {}).get("status", ""):
+            break
+        time.sleep(0.05)
+    os.kill(pids[0], signal.SIGKILL)
+    trees, stats = pending.result()
+    assert len(trees) == 32
+    lost = [t for t in trees if "error" in t.meta["distributed"]]
+    kept = [t for t in trees if "error" not in t.meta["distributed"]]
+    assert 0 < len(lost) < len(trees)  # the chunk that was on worker 0, not the others
+    assert {t.meta["distributed"]["worker"] for t in lost} == {0}
+    for t in lost:
+        assert [str(n.end_reason) for n in t.leaves()] == ["env_error"]
+        assert all(tr.num_policy_tokens == 0 for tr in t.trajectories())
+    assert all(n.end_reason != EndReason.ENV_ERROR for t in kept for n in t.leaves())
+    assert stats.env_errors == len(lost)
+    assert stats.extra["distributed/worker_restarts"] == 1
+    # Ray restarted the actor: the next rollout uses both workers again
+    trees, stats = rt.rollout(tasks[:2])
+    assert stats.env_errors == 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Ray restarts the actor in a new process
+        try:
+            assert ray.get(rt.cluster.workers[0].ready.remote())["pid"] != pids[0]
+            break
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(1.0)
+    else:
+        pytest.fail("the killed worker was not restarted")
+
+
+def actor_pids() -> set[int]:
+    """Processes running an agentree actor (Ray titles them `ray::<class>...`)."""
+    return set(processes_matching("ray::RolloutWorker", "ray::EngineReplica"))
+
+
+def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenlake):
+    before = actor_pids()  # the module's runtime: 2 workers, 1 engine replica
+    cmd = [
+        sys.executable, "-m", "agentree", "rollout", "--tasks", "64", "--output", str(tmp_path),
+        *[x for o in SMALL + ray_overrides(cluster.address) for x in ("--set", o)],
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=cluster.env(), stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
+    )
+    seen = ""
+    assert proc.stderr is not None
+    for line in proc.stderr:  # wait until the trees are being rolled out on the workers
+        seen += line
+        if "agentree rollout" in line:
+            break
+    time.sleep(3)
+    started = actor_pids() - before
+    assert len(started) == 3, seen  # this run's 2 workers and 1 replica, on both nodes
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, seen + out
+    deadline = time.monotonic() + 30
+    while actor_pids() & started and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not actor_pids() & started, "an actor of the interrupted run is still running"
+    assert not (tmp_path / "rollout_stats.json").exists()
+
+
+def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
+    """rho = exp(log pi_theta - log pi_sample): with stored sampling log-probs of 0, the mean
+    ratio is the mean of pi_theta over the policy tokens; on-policy it is exactly 1."""
+    from agentree.batching import padded_micro_batches, token_logprobs
+    from agentree.engines.hf import load_policy
+
+    model, _tok = load_policy(tiny_frozenlake, dtype="float32", device="cpu")
+    tree = Tree("t")
+    tree.add_root("p", [5, 6, 7, 8])
+    tree.add_child(0, action_ids=[9, 10, 11], logprobs=[0.0] * 3, reward=1.0)
+    tree.add_child(0, action_ids=[12, 13], logprobs=[0.0] * 2, reward=0.0)
+    for n in tree.leaves():
+        n.end_reason = EndReason.COMPLETED
+    group = tree.trajectories()
+    cfg = load_config("frozenlake_patr", overrides=[*SMALL, "train.lr=1e-9"]).train
+    b = padded_micro_batches(group, [[1.0] * len(t.token_ids) for t in group], 0, 8)[0]
+    with torch.no_grad():
+        lp = token_logprobs(model, b, 1.0)
+    want = float((lp.exp() * b.mask).sum() / b.mask.sum())
+    stale = PolicyUpdate(model, cfg)([tree], [group], lr=1e-9, stale=True)
+    assert stale["train/ratio_mean"] == pytest.approx(want, rel=1e-4)
+    assert want < 0.5  # far from 1: the ratio really is against the stored log-probs
+    fresh = PolicyUpdate(model, cfg)([tree], [group], lr=1e-9)
+    assert fresh["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_async_training_on_ray_is_one_step_stale(rt, tmp_path):
+    from agentree.trainer import Trainer
+
+    cfg = rt.cfg.model_copy(deep=True)
+    cfg.train.steps, cfg.train.async_steps = 3, 1
+    cfg.engine.temperature = 1.0
+    tr = Trainer(cfg, tmp_path, log=lambda _m: None, runtime=rt)
+    with torch.no_grad():  # greedy groups carry no advantage: make a change the sync must carry
+        next(tr.model.parameters()).add_(0.01)
+    rows = []
+    while tr.step < cfg.train.steps:
+        rows.append(tr.train_step())
+        tr.step += 1
+    assert [r["train/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+    assert rows[-1]["distributed/workers"] == 2
+    # the replica holds the trainer's final weights (synced through the object store)
+    want = sum(float(v.double().sum()) for v in tr.model.state_dict().values())
+    assert ray.get(rt.cluster.replicas[0].checksum.remote()) == pytest.approx(want, rel=1e-9)
+
+
+def test_async_training_in_process_overlaps_on_a_snapshot_engine(tmp_path, tiny_frozenlake):
+    from agentree.distributed.local import ThreadRollout
+    from agentree.trainer import Trainer
+
+    cfg = load_config("frozenlake_patr", overrides=[*SMALL, "train.async_steps=1"])
+    cfg.train.steps, cfg.engine.temperature = 3, 1.0
+    tr = Trainer(cfg, tmp_path, log=lambda _m: None)
+    try:
+        rows = []
+        while tr.step < cfg.train.steps:
+            rows.append(tr.train_step())
+            if tr.step == 0:
+                assert isinstance(tr._pending[0], ThreadRollout)  # step 1 rolls out meanwhile
+            tr.step += 1
+        assert [r["train/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+        snap = tr.rt.snapshot_engine().model
+        assert snap is not tr.model  # the rollout thread never sees weights change mid-tree
+        for k, v in tr.model.state_dict().items():  # synced after the last update
+            assert torch.equal(snap.state_dict()[k], v)
+    finally:
+        tr.rt.close()
