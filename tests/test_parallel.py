@@ -286,7 +286,7 @@ def test_gpu_recipes_dry_run_without_weights(config, expect, capsys):
     assert f"built-in architecture table for {expect}" in out
     assert "rank 0:" in out and "FSDP2" in out and "engine: vllm" in out
     total = float(out.split("total")[-1].split("GiB")[0])
-    assert 1 < total < 80  # the recipes are sized for 80 GB GPUs (docs/scaling-memory.md)
+    assert 1 < total < 80  # the recipes are sized for 80 GB GPUs (docs/scaling.md)
 
 
 def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys):
