@@ -217,10 +217,18 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     if path not in ("tiny", "tiny-warm"):
         return path
     from agentree.models.tiny import tiny_policy_for_env
-    from agentree.models.warm import warm_policy_for_env
+    from agentree.models.warm import WARM_ENVS, warm_policy_for_env
 
     env_name, env_kwargs = cfg.component("env")
     t0 = time.perf_counter()
+    if path == "tiny-warm" and env_name not in WARM_ENVS:
+        # the default config's policy meets a user env: there is no scripted expert to warm
+        # it up with, so start from the untrained tiny policy and say so
+        log(
+            f"tiny-warm has a scripted expert for {', '.join(WARM_ENVS)} only; {env_name} starts "
+            "from the tiny policy (fine-tune one with agentree sft and pass --policy DIR)"
+        )
+        path = "tiny"
     if path == "tiny-warm":
         out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, cfg.policy.warm, log)
     else:

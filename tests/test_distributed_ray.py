@@ -187,8 +187,11 @@ def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenla
         seen += line
         if "agentree rollout" in line:
             break
-    time.sleep(3)
+    deadline = time.monotonic() + 60  # actor processes take their `ray::` title when they run
     started = actor_pids() - before
+    while len(started) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        started = actor_pids() - before
     assert len(started) == 3, seen  # this run's 2 workers and 1 replica, on both nodes
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=120)[1]

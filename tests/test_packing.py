@@ -153,13 +153,24 @@ def test_a_sibling_branch_is_invisible(rollout):
         base = packed_token_logprobs(rt.model, b, 1.0)
     n_traj = b.index.shape[0]
     through = [set(b.index[i][b.mask[i] > 0].tolist()) for i in range(n_traj)]
-    # a target on a branch: in at least one trajectory but not in all of its group's
-    k = next(k for k in range(len(b.target)) if 0 < sum(k in s for s in through) < len(groups[0]))
-    affected = set()
-    for i in range(n_traj):
-        row = b.index[i].tolist()
-        if k in row:
-            affected |= {x for x in row[row.index(k) :] if x < len(b.target)}
+
+    def continuation(k: int) -> set[int]:
+        """Target k and every target after it in the trajectories that contain it."""
+        out: set[int] = set()
+        for i in range(n_traj):
+            row = b.index[i].tolist()
+            if k in row:
+                out |= {x for x in row[row.index(k) :] if x < len(b.target)}
+        return out
+
+    # a target on a branch (in at least one trajectory but not in all of its group's) that has
+    # tokens after it
+    k = next(
+        k
+        for k in range(len(b.target))
+        if 0 < sum(k in s for s in through) < len(groups[0]) and len(continuation(k)) > 1
+    )
+    affected = continuation(k)
     ids = b.ids.clone()
     f = int(b.target[k])
     ids.view(-1)[f] = (ids.view(-1)[f] + 1) % rt.model.config.vocab_size

@@ -75,7 +75,7 @@ def fixed_batch(tmp_path_factory, tiny_frozenlake) -> Path:
         t.__class__(t.id, None, {"desc": ["SGF", "FFF", "FFF"]}) for t in tr.train_tasks[:4]
     ]
     tr._order, tr._cursor = [], 0
-    trees, trajs, _, _ = tr._collect()
+    trees, trajs, _, _, _ = tr._collect()
     tr.close()
     usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
     assert sum(len(ts) for _, ts in usable) >= 3

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from agentree.cli import main
@@ -79,9 +80,9 @@ LAUNCHER = textwrap.dedent(
     calls = []
 
 
-    def paused_rollout(self, tasks, *, step=0, progress=None):
-        out = rollout(self, tasks, step=step, progress=progress)  # the rollout ran; still inside it
-        if AT == "rollout" and step == STEP:
+    def paused_rollout(self, tasks, *, step=0, progress=None, **kw):
+        out = rollout(self, tasks, step=step, progress=progress, **kw)  # ran; still inside it
+        if AT == "rollout" and step == STEP and kw.get("controller") is None:  # not an eval
             pause()
         return out
 
@@ -248,12 +249,13 @@ def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
     from agentree.resume import resume_config
 
     run = _saved_run(tmp_path)
+    saved_lr = yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"]
     logged: list[str] = []
     cfg = resume_config(
         run,
         config=None,
         select={"env": "frozenlake", "rollout": None},
-        overrides=["train.lr=0.001", "train.eps_high=0.28"],
+        overrides=[f"train.lr={saved_lr}", "train.eps_high=0.28"],
         steps=8,
         log=logged.append,
     )
