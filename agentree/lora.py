@@ -36,6 +36,10 @@ class BaseModelView:
     def __init__(self, peft_model: Any) -> None:
         self.model = peft_model
 
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
     def parameters(self) -> Iterator[Any]:
         return self.model.parameters()
 

@@ -35,9 +35,10 @@ VARIANTS = {
     "whole": ["train.micro_batch_size=64"],
     "accumulate": ["train.micro_batch_size=1"],
     "lora": ["train.micro_batch_size=2", "train.lora.r=4", "train.lora.alpha=8"],
+    "packed": ["train.micro_batch_size=2", "train.packing=tree"],
 }
 """Each trains on the fixed batch; `accumulate` gives each rank several micro-batches (and one
-an all-masked filler when their count is odd)."""
+an all-masked filler when their count is odd); `packed` trains tree-packed rows on the ranks."""
 
 
 def cfg_for(out: Path, *extra: str):
@@ -146,6 +147,14 @@ def test_two_fsdp_ranks_match_one_process(variant, two_ranks, fixed_batch, tmp_p
         torch.testing.assert_close(engine[k], v, rtol=0, atol=0)
 
 
+def test_two_fsdp_ranks_on_packed_trees_match_one_process(two_ranks, fixed_batch, tmp_path):
+    """Tree packing composes with sharding: ranks training on their share of the packed rows
+    give the single-process packed update (packed equals padded: tests/test_packing.py)."""
+    init, want = single_process(fixed_batch, tmp_path, VARIANTS["packed"], updates=1)
+    got = torch.load(two_ranks / "packed" / "params.pt")
+    assert_same(got, want, moved_from=init)
+
+
 def test_two_fsdp_ranks_match_one_process_with_lora(two_ranks, fixed_batch, tmp_path):
     init, want = single_process(fixed_batch, tmp_path, VARIANTS["lora"], updates=1)
     got = torch.load(two_ranks / "lora" / "params.pt")
@@ -179,15 +188,15 @@ def test_distributed_checkpoint_resumes_on_one_rank(variant, two_ranks, fixed_ba
 
 def _surrogate(tr, micro, old) -> float:
     """The clipped objective of the fixed batch against the initial policy's log-probs."""
-    from agentree.batching import token_logprobs
     from agentree.loss import loss_normalizer, policy_loss
+    from agentree.packing import batch_logprobs
 
     tc = tr.cfg.train
     norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
     total = 0.0
     with torch.no_grad():
         for b, o in zip(micro, old, strict=True):
-            lp = token_logprobs(tr.model, b, 1.0)
+            lp = batch_logprobs(tr.model, b, 1.0)
             loss, _ = policy_loss(
                 lp, o, b.adv, b.mask, eps_low=tc.eps_low, eps_high=tc.eps_high,
                 agg=tc.loss_agg, normalizer=norm,
@@ -199,9 +208,9 @@ def _surrogate(tr, micro, old) -> float:
 def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from agentree.batching import token_logprobs
     from agentree.cli import main
     from agentree.lora import is_adapter_key
+    from agentree.packing import batch_logprobs
     from agentree.parallel import ParallelTrainer, make_trainer
 
     cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
@@ -211,7 +220,7 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     micro = tr.updater.batches(trees, groups)
     with torch.no_grad():
-        old = [token_logprobs(tr.model, b, 1.0) for b in micro]
+        old = [batch_logprobs(tr.model, b, 1.0) for b in micro]
     s0 = _surrogate(tr, micro, old)
     for _ in range(4):
         tr.update(trees, groups)
