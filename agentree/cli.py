@@ -241,7 +241,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         trainer.stop.uninstall()
-        trainer.tracker.close()
         trainer.close()
     if rank > 0:
         return 0

@@ -399,10 +399,7 @@ class ParallelTrainer(Trainer):
             self.rt.tokenizer.save_pretrained(tmp)
             trainer_state = {
                 "step": self.step,
-                "rng": self.rng.getstate(),
-                "order": self._order,
-                "cursor": self._cursor,
-                "torch_rng": torch.get_rng_state(),
+                **(self._step_start or self._loop_state()),
                 "policy": self.rt.policy_path,
                 "lora": self.cfg.train.lora.model_dump() if self.lora else None,
             }
@@ -432,15 +429,12 @@ class ParallelTrainer(Trainer):
         )  # fmt: skip
         if "ref" in state:
             set_model_state_dict(self.ref, state["ref"])
-        ts = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        self.step = ts["step"]
-        self.rng.setstate(ts["rng"])
-        self._order, self._cursor = ts["order"], ts["cursor"]
-        torch.set_rng_state(ts["torch_rng"])
+        self._restore_loop_state(torch.load(ckpt / "trainer_state.pt", weights_only=False))
         self.sync_engine()
         return True
 
     def close(self) -> None:
+        self.tracker.close()
         if self.rt is not None:
             self.rt.close()
         if dist.is_initialized():

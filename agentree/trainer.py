@@ -276,6 +276,13 @@ class Trainer:
             keep=self.cfg.train.keep_checkpoints,
         )
 
+    def _restore_loop_state(self, state: dict[str, Any]) -> None:
+        """The step, task order and RNGs of a checkpoint's trainer state."""
+        self.step = state["step"]
+        self.rng.setstate(state["rng"])
+        self._order, self._cursor = state["order"], state["cursor"]
+        torch.set_rng_state(state["torch_rng"])
+
     def _loop_state(self) -> dict[str, Any]:
         return {
             "rng": self.rng.getstate(),
@@ -295,15 +302,13 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         if self.ref is not None and state["ref"] is not None:
             self.ref.load_state_dict(state["ref"])
-        self.step = state["step"]
-        self.rng.setstate(state["rng"])
-        self._order, self._cursor = state["order"], state["cursor"]
-        torch.set_rng_state(state["torch_rng"])
+        self._restore_loop_state(state)
         self.rt.sync_weights(self.model)
         trim_metrics(self.dir / "metrics.jsonl", self.step)
         return True
 
     def close(self) -> None:
+        self.tracker.close()
         self.rt.close()
 
 

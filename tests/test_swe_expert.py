@@ -8,6 +8,7 @@ from swe_support import assert_no_leftovers, require_docker
 
 from agentree.envs.base import Task
 from agentree.envs.swe import SENTINEL, SWEEnv, parse_commands
+from agentree.models.tiny import TinyModelConfig
 from agentree.swe import expert, generate
 
 FIXED = "def f(n):\n    if n < 0:\n        return 0\n    return n + 1\n"
@@ -81,11 +82,15 @@ def test_warm_policy_learns_the_expert_and_keeps_commands_whole(tmp_path):
         for c in cands
     ]
     cfg = expert.WarmConfig(
-        vocab_size=400,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
+        model=TinyModelConfig(
+            vocab_size=400,
+            min_frequency=2,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=2,
+            intermediate_size=64,
+        ),
         max_trajectories=4,
         epochs=3,
         batch_size=2,

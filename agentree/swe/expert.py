@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.envs.swe import SENTINEL, SUBMIT_ACTION
+from agentree.models.tiny import TinyModelConfig
 from agentree.prompts import render
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
@@ -232,18 +233,19 @@ class WarmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    vocab_size: int = Field(1024, ge=64)
-    """BPE vocabulary trained on the trajectories (keeps identifiers and operators whole)."""
-    min_frequency: int = Field(2, ge=1)
-    """A pair must occur this often to be merged."""
-    hidden_size: int = 192
-    """Model width (the default tiny policy has 128)."""
-    num_layers: int = 3
-    """Transformer blocks (the default tiny policy has 2)."""
-    num_heads: int = 4
-    """Attention heads."""
-    intermediate_size: int = 768
-    """MLP width."""
+    model: TinyModelConfig = Field(
+        default_factory=lambda: TinyModelConfig(
+            vocab_size=1024,
+            min_frequency=2,
+            hidden_size=192,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=4,
+            intermediate_size=768,
+        )
+    )
+    """Tokenizer and model shape: a BPE vocabulary trained on the trajectories (keeps
+    identifiers and operators whole) and a model wider and deeper than the default tiny one."""
     max_trajectories: int = Field(64, ge=1)
     """Expert trajectories fine-tuned on (a seeded sample of the tasks; a CPU-time budget)."""
     epochs: int = Field(3, ge=1)
@@ -266,7 +268,6 @@ def warm_policy(
     """Build (or reuse) the tiny SWE policy fine-tuned on the expert's trajectories."""
     from agentree.envs.swe import SWEEnv
     from agentree.models.tiny import (
-        TinyModelConfig,
         build_once,
         build_tiny_policy,
         cache_root,
@@ -288,16 +289,7 @@ def warm_policy(
     system = env.system_prompt
     env.close()
     corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
-    shape = TinyModelConfig(
-        vocab_size=cfg.vocab_size,
-        min_frequency=cfg.min_frequency,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        seed=cfg.seed,
-    )
+    shape = cfg.model.model_copy(update={"seed": cfg.seed})
 
     def write(tmp: Path) -> None:
         base = build_tiny_policy(corpus, shape, ATOMIC, out_dir=tmp / "base")
