@@ -31,6 +31,7 @@ from agentree.models.tiny import TinyModelConfig, build_once, cache_root, conten
 WARM_ENVS = ("frozenlake", "countdown")
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
 _DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+_PREFERENCE = ("Down", "Right", "Up", "Left")
 
 
 class WarmConfig(BaseModel):
@@ -88,7 +89,9 @@ def scripted_move(
 ) -> str:
     """The noisy expert: a shortest-path move with probability `expert_prob`, else random valid.
 
-    `expert_prob=0` is the random-valid-move walker; 1 is the BFS-optimal policy.
+    `expert_prob=0` is the random-valid-move walker; 1 is the BFS-optimal policy. Between equally
+    short moves the expert takes the first in `_PREFERENCE`, so its demonstrated move is a
+    function of the state rather than a coin flip the policy would have to imitate too.
     """
     moves = valid_moves(desc, pos)
     if rng.random() < expert_prob:
@@ -96,12 +99,13 @@ def scripted_move(
         here = dist.get(pos)
         best = [
             mv
-            for mv in moves
-            if here is not None
+            for mv in _PREFERENCE
+            if mv in moves
+            and here is not None
             and dist.get((pos[0] + _DELTA[mv][0], pos[1] + _DELTA[mv][1])) == here - 1
         ]
         if best:
-            return rng.choice(best)
+            return best[0]
     return rng.choice(moves)
 
 
@@ -221,7 +225,7 @@ def warm_policy_for_env(
     kwargs = validate_env_kwargs(cls, env_kwargs)
     base = tiny_policy_for_env(env_name, env_kwargs, tiny)
     key = content_key(
-        {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 1}
+        {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
     )
 
     def write(tmp: Path) -> None:
