@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--layers", type=int, default=2, help="tiny model depth")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     ap.add_argument("--eval-every", type=int, default=50, help="optimiser steps between probes")
     ap.add_argument("--probe-maps", type=int, default=200, help="held-out maps probed")
     ap.add_argument("--episodes-sampled", type=int, default=0, help="sampled episodes per map")
@@ -146,9 +147,13 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             total, count, step = total + float(loss.detach()) * n, count + n, step + 1
-            if step % args.eval_every == 0 or step == steps:
+            if step % args.eval_every == 0 or step in (steps, args.max_steps):
                 report(step, total / max(count, 1))
                 total, count = 0.0, 0
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
     result: dict = {"args": vars(args), "probes": lines}
     if args.episodes_sampled:
         result["sampled_success"] = sampled_success(args, model, chat, env, held_out, prompt)
