@@ -41,8 +41,6 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         return False
     env_vars = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     runtime_env: dict[str, Any] = {"env_vars": env_vars} if env_vars else {}
-    if dc.py_modules:
-        runtime_env["py_modules"] = list(dc.py_modules)
     kwargs: dict[str, Any] = {
         "runtime_env": runtime_env or None,
         "logging_level": "WARNING",
@@ -62,6 +60,12 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
             "with `ray start --head` or use distributed.address=local"
         ) from None
     return False
+
+
+def actor_runtime_env(dc: DistributedConfig) -> dict[str, Any] | None:
+    """Per actor rather than per job, so the packages reach the workers even when this
+    process joined Ray before (a user's script, a second runtime in the same driver)."""
+    return {"py_modules": list(dc.py_modules)} if dc.py_modules else None
 
 
 def disconnect(started: bool) -> None:

@@ -32,6 +32,7 @@ class RolloutWorker:
         index: int,
         replicas: Sequence[Any],
         weights: dict[str, Any] | None,
+        scorer: Any = None,
     ) -> None:
         from agentree.config import validate_config
 
@@ -41,9 +42,10 @@ class RolloutWorker:
         try:
             cfg = validate_config(data)
         except (ValueError, ImportError) as e:
+            why = " ".join(str(e).split())  # one line: the driver reports it as the error
             raise RuntimeError(
                 f"rollout worker {index} on node {self.node_id[:12]} cannot load the config "
-                f"({e}); install the env's package on every node or list it in "
+                f"({why}); install the env's package on every node or list it in "
                 "distributed.py_modules"
             ) from None
         self.cfg = cfg
@@ -56,17 +58,21 @@ class RolloutWorker:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # the previous incarnation was killed: its sandboxes and snapshots are orphans now
             sweep_docker(stale=True, force=True)
-        self.rt = self._runtime(cfg, replicas, weights)
+        self.rt = self._runtime(cfg, replicas, weights, scorer)
         env_factory = self.rt.make_env
         self.rt.make_env = lambda: self._track(env_factory())  # type: ignore[method-assign]
         self.status_line = "idle"
 
     @staticmethod
-    def _runtime(cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None) -> Any:
+    def _runtime(
+        cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None, scorer_actor: Any
+    ) -> Any:
+        from agentree.distributed.scorer import RemoteScorer
         from agentree.runtime import Runtime, resolve_policy
 
+        scorer = RemoteScorer(scorer_actor) if scorer_actor is not None else None
         if not replicas:  # a private engine in this process
-            rt = Runtime(cfg, log=lambda _m: None)
+            rt = Runtime(cfg, log=lambda _m: None, scorer=scorer)
             if weights is not None:
                 rt.model.load_state_dict(weights)
                 rt.engine.sync_weights(rt.model)
@@ -78,7 +84,8 @@ class RolloutWorker:
         path = resolve_policy(cfg, lambda _m: None)
         tokenizer = AutoTokenizer.from_pretrained(path)
         info = ray.get(replicas[0].info.remote())
-        return Runtime(cfg, log=lambda _m: None, engine=RemoteEngine(replicas, tokenizer, info))
+        engine = RemoteEngine(replicas, tokenizer, info)
+        return Runtime(cfg, log=lambda _m: None, engine=engine, scorer=scorer)
 
     def _track(self, env: Env) -> Env:
         close = env.close
@@ -137,6 +144,8 @@ class RolloutWorker:
     def status(self) -> dict[str, Any]:
         return {
             "index": self.index,
+            "node_id": self.node_id,
+            "scorer": type(self.rt.scorer).__name__,
             "status": self.status_line,
             "live_envs": len(self._live),
             "busy_s": self.busy_s,
