@@ -343,7 +343,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     console = _console()
     cfg = _load(args)
     out = Path(args.output)
-    result = run_eval(cfg, out, tasks=args.tasks, samples=args.samples, log=console.print)
+    with console.status("evaluating") as status:
+        result = run_eval(
+            cfg,
+            out,
+            tasks=args.tasks,
+            samples=args.samples,
+            log=console.print,
+            progress=_progress_lines(console, status),
+        )
     s = result["summary"]
     console.print(
         f"[bold green]{s['metric']}: {100 * s[s['metric']]:.1f}%[/] over {s['tasks']} tasks "

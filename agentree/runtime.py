@@ -276,6 +276,7 @@ def evaluate(
     seed: int,
     tasks: Sequence[Task] | None = None,
     samples: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Success rate on held-out tasks: `samples` independent trajectories per task."""
     tasks = list(tasks) if tasks is not None else rt.load_tasks(cfg.eval.tasks, split="eval")
@@ -284,7 +285,11 @@ def evaluate(
     t0 = time.perf_counter()
     controller = FlatGRPO(FlatConfig(G=k))
     trees, stats = rt.rollout(
-        tasks, controller=controller, temperature=cfg.eval.temperature, rng=random.Random(seed)
+        tasks,
+        controller=controller,
+        temperature=cfg.eval.temperature,
+        rng=random.Random(seed),
+        progress=progress,
     )
     per_task = []
     for tree in trees:

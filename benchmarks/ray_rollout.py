@@ -122,16 +122,25 @@ def main() -> None:
     p.add_argument("--engine-replicas", default="1", help="comma list, e.g. 1,0")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds per mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads / CPUs per actor")
+    p.add_argument("--niceness", type=int, default=0, help="of Ray's worker processes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from agentree.distributed.cluster import WORKER_NICENESS
+
+    # Actors at the driver's priority (Ray's default is niceness 15); `--niceness 15` measures
+    # what a cluster started without RAY_worker_niceness=0 gives.
+    os.environ[WORKER_NICENESS] = str(args.niceness)
     import ray
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"torch threads / CPUs per actor {args.threads}, Ray worker niceness {args.niceness}"
+    )
     t0 = time.perf_counter()
     # Logical CPUs: every mode's actors stay up for the whole run (they mostly wait).
     ray.init(num_cpus=32, include_dashboard=False, logging_level="WARNING", log_to_driver=False)

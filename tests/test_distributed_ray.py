@@ -61,6 +61,9 @@ def cluster(agentree_cache):
     # 4 logical CPUs a node: the module's runtime (3 actors) and the Ctrl-C run's (3) fit
     c = LocalCluster(port=PORT, nodes=2, cpus_per_node=4)
     saved = dict(os.environ)
+    # the nodes have the tests' own packages installed, as a user's nodes have theirs
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, saved.get("PYTHONPATH")]))
     try:
         c.start()
         os.environ.update(c.env())
@@ -130,6 +133,8 @@ def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
     assert len(nodes) == 2 and placed == nodes  # one worker per node (SPREAD)
     assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
     assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
+    # the cluster runs actors at the driver's priority, not Ray's default niceness of 15
+    assert {ray.get(w.ready.remote())["niceness"] for w in rt.cluster.workers} == {0}
 
 
 def test_killed_worker_fails_only_its_trees(rt):
@@ -351,10 +356,14 @@ def test_eval_of_a_users_env_on_ray_ships_its_package(cluster, tmp_path):
     import the package and the run stops with one sentence saying so; with it, Ray ships the
     package and the tasks are evaluated on the workers."""
     import json
+    import shutil
     from pathlib import Path
 
-    tests_dir = Path(__file__).parent
-    env = {**cluster.env(), "PYTHONPATH": str(tests_dir)}  # only the driver has the package
+    pkg = tmp_path / "guess_pkg"  # a user's package, in a directory only the driver sees
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).parent / "custom_env" / "mygame.py", pkg / "mygame.py")
+    env = {**cluster.env(), "PYTHONPATH": str(tmp_path)}
     sets = [
         *ray_overrides(cluster.address),
         "engine.max_tokens=4",
@@ -366,7 +375,7 @@ def test_eval_of_a_users_env_on_ray_ships_its_package(cluster, tmp_path):
 
     def run(out: str, *extra: str) -> subprocess.CompletedProcess:
         cmd = [
-            sys.executable, "-m", "agentree", "eval", "--env", "custom_env.mygame:GuessEnv",
+            sys.executable, "-m", "agentree", "eval", "--env", "guess_pkg.mygame:GuessEnv",
             "--tasks", "4", "--output", str(tmp_path / out),
             *[x for o in [*sets, *extra] for x in ("--set", o)],
         ]  # fmt: skip
@@ -375,15 +384,16 @@ def test_eval_of_a_users_env_on_ray_ships_its_package(cluster, tmp_path):
     bad = run("bad")
     assert bad.returncode != 0, bad.stderr
     last = bad.stderr.strip().splitlines()[-1]
-    assert "custom_env" in last and "distributed.py_modules" in last, bad.stderr
+    assert "guess_pkg" in last and "distributed.py_modules" in last, bad.stderr
     assert "Traceback" not in bad.stderr
-    good = run("good", f"distributed.py_modules=[{tests_dir / 'custom_env'}]")
+    good = run("good", f"distributed.py_modules=[{pkg}]")
     assert good.returncode == 0, good.stderr
     result = json.loads((tmp_path / "good" / "eval.json").read_text())
     assert result["summary"]["tasks"] == 4
     trees = sorted((tmp_path / "good" / "trees").glob("*.json"))
     workers = {json.loads(t.read_text())["meta"]["distributed"]["worker"] for t in trees}
     assert len(trees) == 4 and workers <= {0, 1} and workers
+    assert any(x.startswith("rollout: ") and "w0@" in x for x in good.stderr.splitlines())
 
 
 def test_rollout_cli_on_ray_prints_per_worker_progress(cluster, tmp_path, tiny_frozenlake):
@@ -416,14 +426,11 @@ def test_hung_worker_is_bounded_by_the_timeout(cluster):
     """A worker stuck in an env step (a stalled sandbox) past `tree_timeout_s` is killed: its
     tree ends as env_error, the other worker's tree completes, Ray restarts the worker and the
     next rollout uses both workers again."""
-    from pathlib import Path
-
     overrides = [
         *SMALL,
         *ray_overrides(cluster.address),
         "engine.stop=[]",
         "distributed.tree_timeout_s=20",
-        f"distributed.py_modules=[{Path(__file__).parent / 'custom_env'}]",
         "distributed.worker_cpus=0.5",
         "distributed.engine_cpus=0.5",
     ]

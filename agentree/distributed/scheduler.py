@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from agentree.config import ExperimentConfig
-from agentree.distributed.cluster import actor_runtime_env, connect, disconnect, import_ray
+from agentree.distributed.cluster import connect, disconnect, import_ray
 from agentree.envs.base import Task
 from agentree.rollout.base import Controller, RolloutStats
 from agentree.tree import EndReason, Tree
@@ -67,12 +67,10 @@ class RayRollouts:
         t0 = time.perf_counter()
         # Weights go in after start, not as constructor arguments: a restarted actor must get
         # the latest weights (`_refresh`), not the ones it was created with.
-        renv = actor_runtime_env(dc)
         replica_cls = ray.remote(EngineReplica).options(
             num_cpus=dc.engine_cpus,
             num_gpus=dc.engine_gpus,
             max_restarts=dc.max_restarts,
-            runtime_env=renv,
         )
         self.replicas = [replica_cls.remote(data, None) for _ in range(dc.engine_replicas)]
         self._start_scorer(cfg)
@@ -81,7 +79,6 @@ class RayRollouts:
             num_cpus=dc.worker_cpus,
             max_restarts=dc.max_restarts,
             scheduling_strategy="SPREAD",
-            runtime_env=renv,
         )
         self.workers = [
             worker_cls.remote(data, i, self.replicas, None, self.scorer_actor)
@@ -130,7 +127,6 @@ class RayRollouts:
                 num_cpus=dc.scorer_cpus,
                 num_gpus=dc.scorer_gpus,
                 max_restarts=dc.max_restarts,
-                runtime_env=actor_runtime_env(dc),
             )
             .remote(name, settings)
         )

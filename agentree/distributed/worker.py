@@ -103,7 +103,12 @@ class RolloutWorker:
         return env
 
     def ready(self) -> dict[str, Any]:
-        return {"index": self.index, "node_id": self.node_id, "pid": os.getpid()}
+        return {
+            "index": self.index,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "niceness": os.nice(0),
+        }
 
     def rollout(
         self,

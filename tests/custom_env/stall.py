@@ -9,6 +9,8 @@ from custom_env.mygame import GuessEnv
 
 
 class StallEnv(GuessEnv):
+    stalls = False
+
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         self.stalls = seed is not None and seed % 2 == 1
         return super().reset(seed=seed, options=options)
@@ -17,3 +19,10 @@ class StallEnv(GuessEnv):
         if self.stalls:
             time.sleep(3600)
         return super().step(action)
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "stalls": self.stalls}
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self.stalls = state["stalls"]
