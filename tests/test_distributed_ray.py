@@ -458,6 +458,49 @@ def test_hung_worker_is_bounded_by_the_timeout(cluster):
         stall_rt.close()
 
 
+def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake):
+    """With two engine replicas, one killed: its requests go to the other replica (no tree is
+    lost), the restarted replica is not asked to sample until it holds the trainer's weights,
+    and after the next weight sync both serve again."""
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.rollout_workers=1",
+        "distributed.engine_replicas=2",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+    ]
+    frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
+    try:
+        tasks = frt.load_tasks(8)
+        _trees, stats = frt.rollout(tasks[:4])
+        assert stats.extra["distributed/engine_failovers"] == 0
+        pid = ray.get(frt.cluster.replicas[0].info.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        trees, stats = frt.rollout(tasks[4:])
+        assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
+        assert stats.extra["distributed/engine_failovers"] >= 1
+        assert all(n.end_reason != EndReason.ENV_ERROR for t in trees for n in t.leaves())
+        frt.sync_weights(frt.model)  # reaches the restarted replica once it is back
+        deadline = time.monotonic() + 120
+        info: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                info = ray.get(frt.cluster.replicas[0].info.remote())
+            except ray.exceptions.ActorUnavailableError:
+                info = {}
+            if info.get("version") == frt.cluster.weight_version:
+                break
+            time.sleep(1.0)
+        assert info["pid"] != pid and info["version"] == frt.cluster.weight_version
+        want = sum(float(v.double().sum()) for v in frt.model.state_dict().values())
+        assert ray.get(frt.cluster.replicas[0].checksum.remote()) == pytest.approx(want)
+        _trees, stats = frt.rollout(tasks[:4])
+        assert stats.env_errors == 0 and stats.extra["distributed/engine_failovers"] == 0
+    finally:
+        frt.close()
+
+
 def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
     """rho = exp(log pi_theta - log pi_sample): with stored sampling log-probs of 0, the mean
     ratio is the mean of pi_theta over the policy tokens; on-policy it is exactly 1."""

@@ -185,9 +185,33 @@ class RayRollouts:
         if ref is None:
             return
         if self.replicas:
-            ray.get([r.load_weights.remote(ref, self.weight_version) for r in self.replicas])
+            refs = [r.load_weights.remote(ref, self.weight_version) for r in self.replicas]
+            for i, r in enumerate(refs):
+                try:
+                    ray.get(r)
+                except ray.exceptions.RayActorError:
+                    # killed or restarting: the workers fail over to the other replicas
+                    # meanwhile; it gets the weights once it is back
+                    self._revive_replica(i)
         else:
             ray.get([w.load_weights.remote(ref) for w in self.workers])
+
+    def _revive_replica(self, i: int) -> None:
+        """Wait (on a thread) until Ray has restarted replica `i`, then give it the latest
+        weights, after which the workers route to it again (`RemoteEngine.revive`)."""
+
+        def wait() -> None:
+            deadline = time.monotonic() + self.cfg.distributed.start_timeout_s
+            while time.monotonic() < deadline and not self._closed:
+                try:
+                    replica = self.replicas[i]
+                    self.ray.get(replica.info.remote(), timeout=30)
+                    self.ray.get(replica.load_weights.remote(self._weights, self.weight_version))
+                    return
+                except self.ray.exceptions.RayError:
+                    time.sleep(1.0)
+
+        threading.Thread(target=wait, daemon=True).start()
 
     def status(self) -> list[dict[str, Any]]:
         refs = [w.status.options(concurrency_group="control").remote() for w in self.workers]
@@ -289,7 +313,7 @@ class Pending:
         stats = RolloutStats()
         inflight: dict[Any, tuple[int, int, float]] = {}  # ref -> (chunk, worker, started)
         busy = transfer = 0.0
-        restarts = depth = 0
+        restarts = depth = failovers = 0
         killed: set[Any] = set()
         waited = 0.0
         while queue or inflight:
@@ -300,7 +324,7 @@ class Pending:
                     w = owner._idle.pop(0)
                 c, chunk = queue.popleft()
                 ref = owner.workers[w].rollout.remote(
-                    chunk, controller, step, temperature, self.seed + c
+                    chunk, controller, step, temperature, self.seed + c, owner.weight_version
                 )
                 inflight[ref] = (c, w, time.perf_counter())
             depth = max(depth, len(queue))
@@ -326,6 +350,7 @@ class Pending:
                     transfer += time.perf_counter() - t_get
                     stats.add(st)
                     busy += info["busy_s"]
+                    failovers += info["engine_failovers"]
                     owner._envs_per_tree = max(
                         owner._envs_per_tree, info["peak_envs"] / max(len(trees), 1)
                     )
@@ -363,6 +388,7 @@ class Pending:
                 "distributed/chunks": float(len(chunks)),
                 "distributed/transfer_s": transfer,
                 "distributed/worker_restarts": float(restarts),
+                "distributed/engine_failovers": float(failovers),
                 **owner.metrics,
             }
         )

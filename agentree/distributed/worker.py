@@ -117,9 +117,18 @@ class RolloutWorker:
         step: int,
         temperature: float | None,
         seed: int,
+        version: int = 0,
     ) -> tuple[list[Tree], RolloutStats, dict[str, Any]]:
-        """The same call `Runtime.rollout` makes in-process, on this worker's envs."""
+        """The same call `Runtime.rollout` makes in-process, on this worker's envs; `version`
+        is the trainer's weight version (engine replicas behind it are not used)."""
+        from agentree.distributed.engine import RemoteEngine
+
         t0 = time.perf_counter()
+        engine = self.rt.engine
+        failovers = 0
+        if isinstance(engine, RemoteEngine):
+            engine.revive(version)
+            failovers = engine.failovers
         self.peak_envs = len(self._live)
         self.status_line = f"{len(tasks)} trees"
 
@@ -137,7 +146,10 @@ class RolloutWorker:
         meta = {"worker": self.index, "node_id": self.node_id, "pid": os.getpid()}
         for tree in trees:
             tree.meta["distributed"] = dict(meta)
-        return trees, stats, {"busy_s": time.perf_counter() - t0, "peak_envs": self.peak_envs}
+        if isinstance(engine, RemoteEngine):
+            failovers = engine.failovers - failovers
+        info = {"busy_s": time.perf_counter() - t0, "peak_envs": self.peak_envs}
+        return trees, stats, {**info, "engine_failovers": failovers}
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Only for a worker with its own engine (`engine_replicas=0`)."""
