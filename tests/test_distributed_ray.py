@@ -347,6 +347,9 @@ def test_prm_scorer_is_one_actor_and_scores_as_in_process(cluster, tiny_frozenla
     finally:
         local.close()
         rt_prm.close()
+    deadline = time.monotonic() + 30  # ray.kill returns before the process has exited
+    while set(processes_matching("ray::ScorerActor")) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not set(processes_matching("ray::ScorerActor")) - before
 
 
