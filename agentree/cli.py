@@ -286,7 +286,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             f"tasks -> {run_dir}"
         )
         with console.status("rolling out") as status:
-            trees, stats = rt.rollout(tasks, progress=lambda msg: status.update(msg))
+            trees, stats = rt.rollout(tasks, progress=_progress_lines(console, status))
     finally:
         rt.close()
     from agentree.tree import save_trees
@@ -311,6 +311,21 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_lines(console: Any, status: Any) -> Callable[[str], None]:
+    """Rollout progress: the live status line on a terminal; without one (CI logs, nohup)
+    one plain line each time the progress changes."""
+    last = [""]
+
+    def show(msg: str) -> None:
+        if console.is_terminal:
+            status.update(msg)
+        elif msg != last[0]:
+            last[0] = msg
+            print(f"rollout: {msg}", file=sys.stderr, flush=True)
+
+    return show
+
+
 def _print_action_format(console: Any, well: int, judged: int) -> None:
     from agentree.rollout.base import describe_action_format
 
@@ -328,7 +343,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     console = _console()
     cfg = _load(args)
     out = Path(args.output)
-    result = run_eval(cfg, out, tasks=args.tasks, samples=args.samples, log=console.print)
+    with console.status("evaluating") as status:
+        result = run_eval(
+            cfg,
+            out,
+            tasks=args.tasks,
+            samples=args.samples,
+            log=console.print,
+            progress=_progress_lines(console, status),
+        )
     s = result["summary"]
     console.print(
         f"[bold green]{s['metric']}: {100 * s[s['metric']]:.1f}%[/] over {s['tasks']} tasks "

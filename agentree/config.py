@@ -221,6 +221,10 @@ class DistributedConfig(_Section):
     """Ray CPUs reserved by each engine replica."""
     engine_gpus: float = Field(0.0, ge=0.0)
     """Ray GPUs reserved by each engine replica."""
+    scorer_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by the scorer actor (started for scorers that hold a model: prm)."""
+    scorer_gpus: float = Field(0.0, ge=0.0)
+    """Ray GPUs reserved by the scorer actor."""
     max_restarts: int = Field(3, ge=-1)
     """Times Ray restarts a dead worker or engine actor (-1: forever)."""
     tree_timeout_s: float = Field(1800.0, gt=0.0)

@@ -29,6 +29,7 @@ def run_eval(
     tasks: str | None = None,
     samples: int = 1,
     log: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -48,7 +49,9 @@ def run_eval(
         rt = Runtime(cfg, log=log)
         try:
             log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
-            trees = evaluate(rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples)["trees"]
+            trees = evaluate(
+                rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples, progress=progress
+            )["trees"]
         finally:
             rt.close()
     result = summarise(trees, _leaf_success, cfg.policy.path, time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from agentree.engines.base import SamplingParams
 from agentree.envs.base import Env, Task, env_class
 from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.rollout.flat import FlatConfig, FlatGRPO
-from agentree.scorers.base import NoScorer, make_scorer
+from agentree.scorers.base import NoScorer, make_scorer, scorer_class
 from agentree.tree import Trajectory, Tree
 
 
@@ -31,6 +31,7 @@ class Runtime:
         log: Callable[[str], None] = print,
         *,
         engine: Any = None,
+        scorer: Any = None,
     ) -> None:
         self.cfg = cfg
         self.log = log
@@ -44,10 +45,12 @@ class Runtime:
                 f"--rollout {rollout_name} forks environments, but {self.env_cls.__name__} does "
                 "not implement snapshot()/restore(); use --rollout grpo or implement them"
             )
-        self.scorer = NoScorer()
-        if self.controller.uses_scorer:
+        self.scorer = scorer or NoScorer()
+        if self.controller.uses_scorer and scorer is None:
             scorer_name, scorer_kwargs = cfg.component("scorer")
-            self.scorer = make_scorer(scorer_name, **scorer_kwargs)
+            if cfg.distributed.backend != "ray" or not scorer_class(scorer_name).holds_model:
+                self.scorer = make_scorer(scorer_name, **scorer_kwargs)
+            # else: loaded once, in the Ray scorer actor (below)
         probe = self.make_env()  # envs construct cheaply; resources come with reset()
         try:
             self.env_stop = tuple(probe.stop_sequences)
@@ -70,6 +73,8 @@ class Runtime:
             except BaseException:
                 self.engine.close()
                 raise
+            if self.cluster.scorer_client is not None:
+                self.scorer = self.cluster.scorer_client
 
     def make_env(self) -> Env:
         return self.env_cls(**self.env_kwargs)
@@ -271,6 +276,7 @@ def evaluate(
     seed: int,
     tasks: Sequence[Task] | None = None,
     samples: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Success rate on held-out tasks: `samples` independent trajectories per task."""
     tasks = list(tasks) if tasks is not None else rt.load_tasks(cfg.eval.tasks, split="eval")
@@ -279,7 +285,11 @@ def evaluate(
     t0 = time.perf_counter()
     controller = FlatGRPO(FlatConfig(G=k))
     trees, stats = rt.rollout(
-        tasks, controller=controller, temperature=cfg.eval.temperature, rng=random.Random(seed)
+        tasks,
+        controller=controller,
+        temperature=cfg.eval.temperature,
+        rng=random.Random(seed),
+        progress=progress,
     )
     per_task = []
     for tree in trees:

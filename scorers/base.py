@@ -42,6 +42,8 @@ class Scorer:
 
     name: ClassVar[str] = "scorer"
     Config: ClassVar[type[ScorerConfig]] = ScorerConfig
+    holds_model: ClassVar[bool] = False
+    """True for scorers that load a model: on Ray they run as one shared actor."""
 
     def __init__(self, config: ScorerConfig | None = None) -> None:
         self.config = config or self.Config()

@@ -80,6 +80,7 @@ class PRMScorer(Scorer):
 
     name = "prm"
     Config = PRMConfig
+    holds_model = True
     config: PRMConfig
 
     def __init__(self, config: PRMConfig | None = None) -> None:

@@ -5,6 +5,7 @@ mid-rollout, Ctrl-C of `agentree rollout` with nothing left, and asynchronous tr
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -19,6 +20,7 @@ import torch
 ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
 
 from helpers import interruptible  # noqa: E402
+from swe_support import local_records_fixture  # noqa: E402, F401
 
 from agentree.config import load_config  # noqa: E402
 from agentree.distributed.cluster import LocalCluster, processes_matching  # noqa: E402
@@ -59,6 +61,9 @@ def cluster(agentree_cache):
     # 4 logical CPUs a node: the module's runtime (3 actors) and the Ctrl-C run's (3) fit
     c = LocalCluster(port=PORT, nodes=2, cpus_per_node=4)
     saved = dict(os.environ)
+    # the nodes have the tests' own packages installed, as a user's nodes have theirs
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, saved.get("PYTHONPATH")]))
     try:
         c.start()
         os.environ.update(c.env())
@@ -128,6 +133,8 @@ def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
     assert len(nodes) == 2 and placed == nodes  # one worker per node (SPREAD)
     assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
     assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
+    # the cluster runs actors at the driver's priority, not Ray's default niceness of 15
+    assert {ray.get(w.ready.remote())["niceness"] for w in rt.cluster.workers} == {0}
 
 
 def test_killed_worker_fails_only_its_trees(rt):
@@ -169,7 +176,7 @@ def test_killed_worker_fails_only_its_trees(rt):
 
 def actor_pids() -> set[int]:
     """Processes running an agentree actor (Ray titles them `ray::<class>...`)."""
-    return set(processes_matching("ray::RolloutWorker", "ray::EngineReplica"))
+    return set(processes_matching("ray::RolloutWorker", "ray::EngineReplica", "ray::ScorerActor"))
 
 
 def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenlake):
@@ -201,6 +208,300 @@ def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenla
         time.sleep(0.5)
     assert not actor_pids() & started, "an actor of the interrupted run is still running"
     assert not (tmp_path / "rollout_stats.json").exists()
+
+
+def node_of(pid: int) -> int:
+    """The raylet that started an actor process (its parent): one per Ray node."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def container_owners() -> set[int]:
+    """Pids on this host that own an agentree container."""
+    import socket
+
+    from agentree.swe import runtime
+
+    host = socket.gethostname()
+    out = set()
+    for c in runtime.client().api.containers(all=True, filters={"label": runtime.LABEL}):
+        h, _, pid = (c.get("Labels") or {}).get(runtime.OWNER, "").rpartition(":")
+        if h == host and pid.isdigit():
+            out.add(int(pid))
+    return out
+
+
+def docker_owned_by(pids: set[int]) -> tuple[list[str], list[str]]:
+    """Containers and snapshot images whose `agentree.owner` label is one of `pids` here."""
+    import socket
+
+    from agentree.swe import runtime
+
+    api = runtime.client().api
+    owners = {f"{socket.gethostname()}:{p}" for p in pids}
+    flt = {"label": runtime.LABEL}
+    containers = [
+        c["Id"]
+        for c in api.containers(all=True, filters=flt)
+        if (c.get("Labels") or {}).get(runtime.OWNER) in owners
+    ]
+    images = [
+        i["Id"]
+        for i in api.images(all=True, filters=flt)
+        if (i.get("Labels") or {}).get(runtime.OWNER) in owners
+        and (i.get("Labels") or {}).get(runtime.KIND) == "snapshot"
+    ]
+    return containers, images
+
+
+@pytest.mark.docker
+def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, local_records):
+    """SWE trees in flight on two workers, one per node, each holding Docker sandboxes: SIGINT
+    to `agentree rollout` leaves no actor, container or snapshot image on either node."""
+    before = actor_pids()
+    sets = [
+        "engine.max_tokens=16",
+        "rollout.K=2",
+        *ray_overrides(cluster.address),
+    ]
+    cmd = [
+        sys.executable, "-m", "agentree", "rollout", "--config", "swebench_patr",
+        "--tasks", "local", "--output", str(tmp_path / "run"),
+        *[x for o in sets for x in ("--set", o)],
+    ]  # fmt: skip
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            cmd, env=cluster.env(), stderr=err, text=True, preexec_fn=interruptible
+        )
+    try:
+        deadline = time.monotonic() + 300
+        holders: set[int] = set()
+        started: set[int] = set()
+        snapshots: list[str] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = actor_pids() - before
+            holders = container_owners() & started
+            snapshots = docker_owned_by(started)[1]
+            if len(holders) == 2 and snapshots:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, log.read_text()
+        assert len(holders) == 2, f"sandboxes held by {holders} of actors {started}"
+        assert snapshots, "no tree forked before the deadline"
+        assert len({node_of(p) for p in holders}) == 2  # the two workers are on both nodes
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, log.read_text()
+    deadline = time.monotonic() + 30
+    while actor_pids() & started and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not actor_pids() & started, "an actor of the interrupted run is still running"
+    assert docker_owned_by(started) == ([], [])
+    assert not (tmp_path / "run" / "rollout_stats.json").exists()
+
+
+def test_prm_scorer_is_one_actor_and_scores_as_in_process(cluster, tiny_frozenlake):
+    """`--scorer prm` on Ray: the PRM is loaded once, in a scorer actor the workers call, and
+    every score on the trees equals the in-process PRM's score of the same branch."""
+    from agentree.distributed.scorer import RemoteScorer
+    from agentree.scorers.base import make_scorer
+
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "scorer.name=prm",
+        "scorer.model=tiny",
+        "rollout.K=1",  # a checkpoint after every turn: many scored branches
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+        "distributed.scorer_cpus=0.5",
+    ]
+    before = set(processes_matching("ray::ScorerActor"))
+    rt_prm = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
+    local = make_scorer("prm", model="tiny")
+    try:
+        assert isinstance(rt_prm.scorer, RemoteScorer)  # the driver holds no PRM either
+        status = rt_prm.cluster.status()
+        assert [s["scorer"] for s in status] == ["RemoteScorer", "RemoteScorer"]
+        assert len(set(processes_matching("ray::ScorerActor")) - before) == 1
+        tasks = rt_prm.load_tasks(4)
+        trees, stats = rt_prm.rollout(tasks)
+        assert stats.scorer_calls > 0 and stats.scorer_fallbacks == 0
+        by_id = {t.id: t for t in tasks}
+        scored = 0
+        for tree in trees:
+            task = by_id[tree.task_id]
+            for node in tree.nodes:
+                if node.score is None:
+                    continue
+                want = local.score(task, [tree.path(node.id)])[0].value
+                assert node.score == pytest.approx(want, abs=1e-5)
+                scored += 1
+        assert scored >= 4
+        info = ray.get(rt_prm.cluster.scorer_actor.info.remote())
+        assert info["scorer"] == "PRMScorer" and info["calls"] > 0
+    finally:
+        local.close()
+        rt_prm.close()
+    deadline = time.monotonic() + 30  # ray.kill returns before the process has exited
+    while set(processes_matching("ray::ScorerActor")) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not set(processes_matching("ray::ScorerActor")) - before
+
+
+def test_eval_of_a_users_env_on_ray_ships_its_package(cluster, tmp_path):
+    """`agentree eval --env package.module:Class` with the Ray flags: without
+    `distributed.py_modules` the workers (started by the cluster, not by this driver) cannot
+    import the package and the run stops with one sentence saying so; with it, Ray ships the
+    package and the tasks are evaluated on the workers."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    pkg = tmp_path / "guess_pkg"  # a user's package, in a directory only the driver sees
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).parent / "custom_env" / "mygame.py", pkg / "mygame.py")
+    env = {**cluster.env(), "PYTHONPATH": str(tmp_path)}
+    sets = [
+        *ray_overrides(cluster.address),
+        "engine.max_tokens=4",
+        "engine.stop=[]",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+        "distributed.start_timeout_s=120",
+    ]
+
+    def run(out: str, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable, "-m", "agentree", "eval", "--env", "guess_pkg.mygame:GuessEnv",
+            "--tasks", "4", "--output", str(tmp_path / out),
+            *[x for o in [*sets, *extra] for x in ("--set", o)],
+        ]  # fmt: skip
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+    bad = run("bad")
+    assert bad.returncode != 0, bad.stderr
+    last = bad.stderr.strip().splitlines()[-1]
+    assert "guess_pkg" in last and "distributed.py_modules" in last, bad.stderr
+    assert "Traceback" not in bad.stderr
+    good = run("good", f"distributed.py_modules=[{pkg}]")
+    assert good.returncode == 0, good.stderr
+    result = json.loads((tmp_path / "good" / "eval.json").read_text())
+    assert result["summary"]["tasks"] == 4
+    trees = sorted((tmp_path / "good" / "trees").glob("*.json"))
+    workers = {json.loads(t.read_text())["meta"]["distributed"]["worker"] for t in trees}
+    assert len(trees) == 4 and workers <= {0, 1} and workers
+    assert any(x.startswith("rollout: ") and "w0@" in x for x in good.stderr.splitlines())
+
+
+def test_rollout_cli_on_ray_prints_per_worker_progress(cluster, tmp_path, tiny_frozenlake):
+    """`agentree rollout` with the Ray flags, without a terminal: it completes, the trees record
+    the worker that ran them, and the progress shows every worker, one line per change."""
+    import json
+
+    sets = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+    ]
+    cmd = [
+        sys.executable, "-m", "agentree", "rollout", "--tasks", "24",
+        "--output", str(tmp_path), *[x for o in sets for x in ("--set", o)],
+    ]  # fmt: skip
+    r = subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("rollout: ")]
+    assert any("w0@" in x and "w1@" in x and " envs)" in x for x in lines), r.stderr
+    assert all(a != b for a, b in itertools.pairwise(lines))
+    assert json.loads((tmp_path / "rollout_stats.json").read_text())["tasks"] == 24
+    trees = [json.loads(t.read_text()) for t in (tmp_path / "trees").glob("*.json")]
+    assert len(trees) == 24
+    assert {t["meta"]["distributed"]["worker"] for t in trees} == {0, 1}
+
+
+def test_hung_worker_is_bounded_by_the_timeout(cluster):
+    """A worker stuck in an env step (a stalled sandbox) past `tree_timeout_s` is killed: its
+    tree ends as env_error, the other worker's tree completes, Ray restarts the worker and the
+    next rollout uses both workers again."""
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "engine.stop=[]",
+        "distributed.tree_timeout_s=20",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+    ]
+    cfg = load_config(select={"env": "custom_env.stall:StallEnv"}, overrides=overrides)
+    stall_rt = Runtime(cfg, log=lambda _m: None)
+    try:
+        tasks = stall_rt.load_tasks(16)
+        hangs = next(t for t in tasks if t.seed % 2 == 1)
+        fine = [t for t in tasks if t.seed % 2 == 0]
+        t0 = time.monotonic()
+        trees, stats = stall_rt.rollout([hangs, fine[0]])
+        assert time.monotonic() - t0 < 120
+        lost, kept = trees
+        assert [str(n.end_reason) for n in lost.leaves()] == ["env_error"]
+        assert lost.meta["distributed"]["error"].startswith("worker lost")
+        assert all(n.end_reason != EndReason.ENV_ERROR for n in kept.leaves())
+        assert stats.env_errors == 1 and stats.extra["distributed/worker_restarts"] == 1
+        deadline = time.monotonic() + 120
+        while len(stall_rt.cluster._idle) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # Ray restarts the killed worker; then it takes work again
+        trees, stats = stall_rt.rollout(fine[1:3])
+        assert stats.env_errors == 0
+        assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
+    finally:
+        stall_rt.close()
+
+
+def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake):
+    """With two engine replicas, one killed: its requests go to the other replica (no tree is
+    lost), the restarted replica is not asked to sample until it holds the trainer's weights,
+    and after the next weight sync both serve again."""
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.rollout_workers=1",
+        "distributed.engine_replicas=2",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+    ]
+    frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
+    try:
+        tasks = frt.load_tasks(8)
+        _trees, stats = frt.rollout(tasks[:4])
+        assert stats.extra["distributed/engine_failovers"] == 0
+        pid = ray.get(frt.cluster.replicas[0].info.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        trees, stats = frt.rollout(tasks[4:])
+        assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
+        assert stats.extra["distributed/engine_failovers"] >= 1
+        assert all(n.end_reason != EndReason.ENV_ERROR for t in trees for n in t.leaves())
+        frt.sync_weights(frt.model)  # reaches the restarted replica once it is back
+        deadline = time.monotonic() + 120
+        info: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                info = ray.get(frt.cluster.replicas[0].info.remote())
+            except ray.exceptions.ActorUnavailableError:
+                info = {}
+            if info.get("version") == frt.cluster.weight_version:
+                break
+            time.sleep(1.0)
+        assert info["pid"] != pid and info["version"] == frt.cluster.weight_version
+        want = sum(float(v.double().sum()) for v in frt.model.state_dict().values())
+        assert ray.get(frt.cluster.replicas[0].checksum.remote()) == pytest.approx(want)
+        _trees, stats = frt.rollout(tasks[:4])
+        assert stats.env_errors == 0 and stats.extra["distributed/engine_failovers"] == 0
+    finally:
+        frt.close()
 
 
 def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):

@@ -5,6 +5,8 @@ Nothing here is imported by `import agentree`; `distributed.backend=ray` loads i
 - `cluster`: connect to (or start) a Ray cluster; start/stop a local test cluster.
 - `engine`: `EngineReplica` actor (a transformers engine) and `RemoteEngine`, the client that
   implements the `agentree.engines.base.Engine` protocol with prefix-affinity routing.
+- `scorer`: `ScorerActor`, one shared actor for a scorer that holds a model (PRM), and
+  `RemoteScorer`, the client the workers' controllers call.
 - `worker`: `RolloutWorker` actor; it builds an ordinary local `Runtime` and runs the same
   controller code (`agentree.rollout.*`) that runs in-process, one chunk of trees per call.
 - `scheduler`: `RayRollouts`, which owns the actors, balances trees across workers, turns dead

@@ -20,6 +20,12 @@ from typing import Any
 
 from agentree.config import DistributedConfig
 
+WORKER_NICENESS = "RAY_worker_niceness"
+"""Ray starts its worker processes at niceness 15 so its own daemons stay responsive; on a
+machine shared with other work that starves the actors, which then run ~1.5x slower than the
+same rollout in the (niceness 0) driver. Clusters this module starts run them at 0; for a
+cluster started with `ray start`, set `RAY_worker_niceness=0` in that command's environment."""
+
 FORWARDED_ENV = ("AGENTREE_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DOCKER_HOST")
 """Variables of the driver that workers on every node need to see the same files/daemons."""
 
@@ -41,7 +47,7 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         return False
     env_vars = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     runtime_env: dict[str, Any] = {"env_vars": env_vars} if env_vars else {}
-    if dc.py_modules:
+    if dc.py_modules:  # Ray uploads local directories only for a job, not per actor
         runtime_env["py_modules"] = list(dc.py_modules)
     kwargs: dict[str, Any] = {
         "runtime_env": runtime_env or None,
@@ -49,6 +55,7 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         "log_to_driver": os.environ.get("AGENTREE_RAY_LOGS") == "1",
     }
     if dc.address == "local":
+        os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
         # Logical CPUs: actors mostly wait on engines and Docker, so the private instance
         # admits every actor the config asks for even on a 2-core machine.
         cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
@@ -92,6 +99,7 @@ class LocalCluster:
         env["RAY_TMPDIR"] = str(self.temp_dir)
         env.setdefault("RAY_DISABLE_USAGE_STATS", "1")
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env.setdefault(WORKER_NICENESS, "0")
         return env
 
     def _ray(self, *args: str) -> None:

@@ -26,6 +26,10 @@ BLOCK = 16
 """Tokens per routing block (matches the transformers engine's prefix-cache block)."""
 
 
+class ReplicaBehind(RuntimeError):
+    """A replica asked to sample with weights older than the trainer's (it was restarted)."""
+
+
 class EngineReplica:
     """One policy engine in its own process; weights arrive through the object store."""
 
@@ -47,11 +51,14 @@ class EngineReplica:
             "max_model_len": self.engine.max_model_len,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "version": self.version,
         }
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams
+        self, prompts: list[list[int]], params: SamplingParams, version: int = 0
     ) -> tuple[list[list[Completion]], dict[str, int]]:
+        if self.version < version:  # restarted since the last sync: never sample stale weights
+            raise ReplicaBehind(f"replica holds weights v{self.version}, v{version} wanted")
         before = self.engine.stats.snapshot()
         out = self.engine.generate(prompts, params)
         after = self.engine.stats.snapshot()
@@ -136,6 +143,11 @@ class RemoteEngine:
         self._owner: dict[int, int] = {}  # hash of a served prompt's block-aligned prefix
         self._trees = [0] * len(self.replicas)
         self.routed = [0] * len(self.replicas)
+        self.version = 0
+        """Weight version of the trainer; a replica behind it is not asked to sample."""
+        self.down: set[int] = set()
+        """Replicas that failed a request (died, restarting, or behind on weights)."""
+        self.failovers = 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -146,14 +158,21 @@ class RemoteEngine:
         return self._max_len
 
     def route(self, prompt: Sequence[int]) -> int:
-        """Replica for `prompt`: owner of its longest known prefix, else the least used."""
+        """Replica for `prompt`: owner of its longest known prefix, else the least used; a
+        replica that is down is skipped (its trees move to the others)."""
+        live = [i for i in range(len(self.replicas)) if i not in self.down]
+        if not live:
+            raise RuntimeError(
+                f"all {len(self.replicas)} engine replicas are down (killed or restarting); "
+                "see `ray status` and the replicas' logs"
+            )
         hashes = block_hashes(prompt)
         for h in reversed(hashes):
             r = self._owner.get(h)
-            if r is not None:
+            if r is not None and r not in self.down:
                 break
         else:
-            r = min(range(len(self.replicas)), key=lambda i: (self._trees[i], i))
+            r = min(live, key=lambda i: (self._trees[i], i))
             self._trees[r] += 1
         if hashes:
             self._owner[hashes[-1]] = r
@@ -163,25 +182,48 @@ class RemoteEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        by_replica: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_replica.setdefault(self.route(p), []).append(i)
-        refs = {
-            r: self.replicas[r].generate.remote([list(prompts[i]) for i in idx], params)
-            for r, idx in by_replica.items()
-        }
         out: list[list[Completion] | None] = [None] * len(prompts)
-        for r, (comps, delta) in zip(refs, ray.get(list(refs.values())), strict=True):
-            for i, c in zip(by_replica[r], comps, strict=True):
-                out[i] = c
-            self.stats.tokens_generated += delta["tokens_generated"]
-            self.stats.tokens_prefilled += delta["tokens_prefilled"]
-            self.stats.tokens_cached += delta["tokens_cached"]
-            self.stats.tokens_forward += delta["tokens_forward"]
+        todo = list(range(len(prompts)))
+        while todo:  # each pass loses at least one replica, so this ends
+            by_replica: dict[int, list[int]] = {}
+            for i in todo:
+                by_replica.setdefault(self.route(prompts[i]), []).append(i)
+            refs = {
+                r: self.replicas[r].generate.remote(
+                    [list(prompts[i]) for i in idx], params, self.version
+                )
+                for r, idx in by_replica.items()
+            }
+            todo = []
+            for r, ref in refs.items():
+                try:
+                    comps, delta = ray.get(ref)
+                except (ray.exceptions.RayActorError, ReplicaBehind):
+                    # failover: this call's prompts go to the other replicas
+                    self.down.add(r)
+                    self.failovers += 1
+                    todo += by_replica[r]
+                    continue
+                for i, c in zip(by_replica[r], comps, strict=True):
+                    out[i] = c
+                self.stats.tokens_generated += delta["tokens_generated"]
+                self.stats.tokens_prefilled += delta["tokens_prefilled"]
+                self.stats.tokens_cached += delta["tokens_cached"]
+                self.stats.tokens_forward += delta["tokens_forward"]
         self.stats.calls += 1
         return [c for c in out if c is not None]
+
+    def revive(self, version: int, timeout: float = 5.0) -> None:
+        """Before a rollout: adopt the trainer's weight version and take back the replicas
+        that are up again and hold those weights."""
+        self.version = version
+        for r in sorted(self.down):
+            try:
+                info = ray.get(self.replicas[r].info.remote(), timeout=timeout)
+            except ray.exceptions.RayError:
+                continue
+            if info["version"] >= version:
+                self.down.discard(r)
 
     def open_session(
         self, prompts: Sequence[Sequence[int]], temperature: float = 1.0

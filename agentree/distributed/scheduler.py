@@ -35,10 +35,16 @@ class RayRollouts:
         self.ray = ray
         self.cfg = cfg
         dc = cfg.distributed
-        need = dc.rollout_workers * dc.worker_cpus + dc.engine_replicas * dc.engine_cpus
+        need = (
+            dc.rollout_workers * dc.worker_cpus
+            + dc.engine_replicas * dc.engine_cpus
+            + dc.scorer_cpus
+        )
         self.started = connect(dc, num_cpus=need)
         self.workers: list[Any] = []
         self.replicas: list[Any] = []
+        self.scorer_actor: Any = None
+        self.scorer_client: Any = None
         self.metrics: dict[str, float] = {}
         self.restarts = 0
         self.weight_version = 0
@@ -62,19 +68,27 @@ class RayRollouts:
         # Weights go in after start, not as constructor arguments: a restarted actor must get
         # the latest weights (`_refresh`), not the ones it was created with.
         replica_cls = ray.remote(EngineReplica).options(
-            num_cpus=dc.engine_cpus, num_gpus=dc.engine_gpus, max_restarts=dc.max_restarts
+            num_cpus=dc.engine_cpus,
+            num_gpus=dc.engine_gpus,
+            max_restarts=dc.max_restarts,
         )
         self.replicas = [replica_cls.remote(data, None) for _ in range(dc.engine_replicas)]
+        self._start_scorer(cfg)
         # rollouts run one at a time; status and close answer beside a running rollout
         worker_cls = ray.remote(concurrency_groups={"control": 2})(RolloutWorker).options(
-            num_cpus=dc.worker_cpus, max_restarts=dc.max_restarts, scheduling_strategy="SPREAD"
+            num_cpus=dc.worker_cpus,
+            max_restarts=dc.max_restarts,
+            scheduling_strategy="SPREAD",
         )
         self.workers = [
-            worker_cls.remote(data, i, self.replicas, None) for i in range(dc.rollout_workers)
+            worker_cls.remote(data, i, self.replicas, None, self.scorer_actor)
+            for i in range(dc.rollout_workers)
         ]
         ready = [w.ready.remote() for w in self.workers]
+        if self.scorer_actor is not None:
+            ready.append(self.scorer_actor.info.remote())
         try:
-            infos = ray.get(ready, timeout=dc.start_timeout_s)
+            infos = ray.get(ready, timeout=dc.start_timeout_s)[: len(self.workers)]
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"Ray actors did not start within {dc.start_timeout_s:.0f}s; the cluster needs "
@@ -82,7 +96,7 @@ class RayRollouts:
                 f"{dc.engine_replicas} x {dc.engine_cpus} CPUs for engines (see `ray status`)"
             ) from None
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a Ray rollout worker failed to start: {e}") from None
+            raise RuntimeError(actor_failure(e)) from None
         if model is not None:
             self.sync_weights(model)
         self.nodes = sorted({i["node_id"] for i in infos})
@@ -92,6 +106,31 @@ class RayRollouts:
             f"ray: {len(self.workers)} rollout workers on {len(self.nodes)} node(s), "
             f"{len(self.replicas)} engine replica(s), ready in {time.perf_counter() - t0:.1f}s"
         )
+
+    def _start_scorer(self, cfg: ExperimentConfig) -> None:
+        """One actor for a scorer that holds a model (PRM), shared by every worker."""
+        from agentree.rollout.base import make_controller
+        from agentree.scorers.base import scorer_class
+
+        name, settings = cfg.component("scorer")
+        rollout_name, rollout_kwargs = cfg.component("rollout")
+        if not make_controller(rollout_name, **rollout_kwargs).uses_scorer:
+            return
+        if not scorer_class(name).holds_model:
+            return
+        from agentree.distributed.scorer import RemoteScorer, ScorerActor
+
+        dc = cfg.distributed
+        self.scorer_actor = (
+            self.ray.remote(ScorerActor)
+            .options(
+                num_cpus=dc.scorer_cpus,
+                num_gpus=dc.scorer_gpus,
+                max_restarts=dc.max_restarts,
+            )
+            .remote(name, settings)
+        )
+        self.scorer_client = RemoteScorer(self.scorer_actor)
 
     # -- rollouts -----------------------------------------------------------------------------
     def chunk_size(self, n: int) -> int:
@@ -146,9 +185,33 @@ class RayRollouts:
         if ref is None:
             return
         if self.replicas:
-            ray.get([r.load_weights.remote(ref, self.weight_version) for r in self.replicas])
+            refs = [r.load_weights.remote(ref, self.weight_version) for r in self.replicas]
+            for i, r in enumerate(refs):
+                try:
+                    ray.get(r)
+                except ray.exceptions.RayActorError:
+                    # killed or restarting: the workers fail over to the other replicas
+                    # meanwhile; it gets the weights once it is back
+                    self._revive_replica(i)
         else:
             ray.get([w.load_weights.remote(ref) for w in self.workers])
+
+    def _revive_replica(self, i: int) -> None:
+        """Wait (on a thread) until Ray has restarted replica `i`, then give it the latest
+        weights, after which the workers route to it again (`RemoteEngine.revive`)."""
+
+        def wait() -> None:
+            deadline = time.monotonic() + self.cfg.distributed.start_timeout_s
+            while time.monotonic() < deadline and not self._closed:
+                try:
+                    replica = self.replicas[i]
+                    self.ray.get(replica.info.remote(), timeout=30)
+                    self.ray.get(replica.load_weights.remote(self._weights, self.weight_version))
+                    return
+                except self.ray.exceptions.RayError:
+                    time.sleep(1.0)
+
+        threading.Thread(target=wait, daemon=True).start()
 
     def status(self) -> list[dict[str, Any]]:
         refs = [w.status.options(concurrency_group="control").remote() for w in self.workers]
@@ -173,11 +236,15 @@ class RayRollouts:
             if self.workers:
                 refs = [w.close.options(concurrency_group="control").remote() for w in self.workers]
                 ray.wait(refs, num_returns=len(refs), timeout=60)
-            for a in [*self.workers, *self.replicas]:
+            if self.scorer_actor is not None:
+                ray.wait([self.scorer_actor.close.remote()], timeout=30)
+            for a in [*self.workers, *self.replicas, self.scorer_actor]:
+                if a is None:
+                    continue
                 with contextlib.suppress(Exception):  # already gone
                     ray.kill(a, no_restart=True)
         finally:
-            self.workers, self.replicas = [], []
+            self.workers, self.replicas, self.scorer_actor = [], [], None
             if self.started:
                 disconnect(True)
 
@@ -200,6 +267,8 @@ class Pending:
         chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
         self.args = (controller, step, temperature)
         self.seed = seed
+        self.total = len(tasks)
+        self.trees_done = 0
         self.t0 = time.perf_counter()
         thread = threading.Thread(target=self._run, args=(chunks,), daemon=True)
         thread.start()
@@ -209,15 +278,25 @@ class Pending:
     ) -> tuple[list[Tree], RolloutStats]:
         while not self.future.done():
             if progress is not None:
-                lines = [
-                    f"w{s['index']}: {s['status']}" for s in self.owner.status() if "index" in s
-                ]
-                progress(" | ".join(lines) or "waiting for workers")
+                progress(self.progress_line())
             try:
                 return self.future.result(timeout=1.0)
             except TimeoutError:
                 continue
         return self.future.result()
+
+    def progress_line(self) -> str:
+        """One line with every worker's state: `w0@<node>: <trees: controller's progress>
+        (<live envs> envs)`, plus the trees done so far."""
+        parts = []
+        for s in self.owner.status():
+            if "index" not in s:
+                parts.append(str(s.get("status")))
+                continue
+            where = f"w{s['index']}@{s['node_id'][:6]}"
+            parts.append(f"{where}: {s['status']} ({s['live_envs']} envs)")
+        done = f"{self.trees_done}/{self.total} trees"
+        return " | ".join([done, *parts]) if parts else f"{done}, waiting for workers"
 
     def _run(self, chunks: list[list[Task]]) -> None:
         try:
@@ -234,7 +313,7 @@ class Pending:
         stats = RolloutStats()
         inflight: dict[Any, tuple[int, int, float]] = {}  # ref -> (chunk, worker, started)
         busy = transfer = 0.0
-        restarts = depth = 0
+        restarts = depth = failovers = 0
         killed: set[Any] = set()
         waited = 0.0
         while queue or inflight:
@@ -245,7 +324,7 @@ class Pending:
                     w = owner._idle.pop(0)
                 c, chunk = queue.popleft()
                 ref = owner.workers[w].rollout.remote(
-                    chunk, controller, step, temperature, self.seed + c
+                    chunk, controller, step, temperature, self.seed + c, owner.weight_version
                 )
                 inflight[ref] = (c, w, time.perf_counter())
             depth = max(depth, len(queue))
@@ -271,6 +350,7 @@ class Pending:
                     transfer += time.perf_counter() - t_get
                     stats.add(st)
                     busy += info["busy_s"]
+                    failovers += info["engine_failovers"]
                     owner._envs_per_tree = max(
                         owner._envs_per_tree, info["peak_envs"] / max(len(trees), 1)
                     )
@@ -286,6 +366,7 @@ class Pending:
                     owner._revive(w)  # back in the idle pool once Ray has restarted it
                     continue
                 results[c] = trees
+                self.trees_done += len(trees)
                 owner._release(w)
             for ref, (c, w, started) in list(inflight.items()):
                 if ref not in killed and now - started > dc.tree_timeout_s * len(chunks[c]):
@@ -307,10 +388,22 @@ class Pending:
                 "distributed/chunks": float(len(chunks)),
                 "distributed/transfer_s": transfer,
                 "distributed/worker_restarts": float(restarts),
+                "distributed/engine_failovers": float(failovers),
                 **owner.metrics,
             }
         )
         return trees, stats
+
+
+def actor_failure(e: Exception) -> str:
+    """The one line a user can act on from an actor that failed to start: the message of the
+    exception its constructor raised (Ray wraps it in a traceback), else Ray's first line."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    for line in reversed(lines):
+        name, sep, msg = line.partition(": ")
+        if sep and name.isidentifier() and name.endswith(("Error", "Exception")) and msg:
+            return msg
+    return f"a Ray actor failed to start: {lines[0] if lines else type(e).__name__}"
 
 
 def lost_trees(tasks: Sequence[Task], worker: int, why: str) -> list[Tree]:

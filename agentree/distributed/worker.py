@@ -32,6 +32,7 @@ class RolloutWorker:
         index: int,
         replicas: Sequence[Any],
         weights: dict[str, Any] | None,
+        scorer: Any = None,
     ) -> None:
         from agentree.config import validate_config
 
@@ -41,9 +42,10 @@ class RolloutWorker:
         try:
             cfg = validate_config(data)
         except (ValueError, ImportError) as e:
+            why = " ".join(str(e).split())  # one line: the driver reports it as the error
             raise RuntimeError(
                 f"rollout worker {index} on node {self.node_id[:12]} cannot load the config "
-                f"({e}); install the env's package on every node or list it in "
+                f"({why}); install the env's package on every node or list it in "
                 "distributed.py_modules"
             ) from None
         self.cfg = cfg
@@ -56,17 +58,21 @@ class RolloutWorker:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # the previous incarnation was killed: its sandboxes and snapshots are orphans now
             sweep_docker(stale=True, force=True)
-        self.rt = self._runtime(cfg, replicas, weights)
+        self.rt = self._runtime(cfg, replicas, weights, scorer)
         env_factory = self.rt.make_env
         self.rt.make_env = lambda: self._track(env_factory())  # type: ignore[method-assign]
         self.status_line = "idle"
 
     @staticmethod
-    def _runtime(cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None) -> Any:
+    def _runtime(
+        cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None, scorer_actor: Any
+    ) -> Any:
+        from agentree.distributed.scorer import RemoteScorer
         from agentree.runtime import Runtime, resolve_policy
 
+        scorer = RemoteScorer(scorer_actor) if scorer_actor is not None else None
         if not replicas:  # a private engine in this process
-            rt = Runtime(cfg, log=lambda _m: None)
+            rt = Runtime(cfg, log=lambda _m: None, scorer=scorer)
             if weights is not None:
                 rt.model.load_state_dict(weights)
                 rt.engine.sync_weights(rt.model)
@@ -78,7 +84,8 @@ class RolloutWorker:
         path = resolve_policy(cfg, lambda _m: None)
         tokenizer = AutoTokenizer.from_pretrained(path)
         info = ray.get(replicas[0].info.remote())
-        return Runtime(cfg, log=lambda _m: None, engine=RemoteEngine(replicas, tokenizer, info))
+        engine = RemoteEngine(replicas, tokenizer, info)
+        return Runtime(cfg, log=lambda _m: None, engine=engine, scorer=scorer)
 
     def _track(self, env: Env) -> Env:
         close = env.close
@@ -96,7 +103,12 @@ class RolloutWorker:
         return env
 
     def ready(self) -> dict[str, Any]:
-        return {"index": self.index, "node_id": self.node_id, "pid": os.getpid()}
+        return {
+            "index": self.index,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "niceness": os.nice(0),
+        }
 
     def rollout(
         self,
@@ -105,9 +117,18 @@ class RolloutWorker:
         step: int,
         temperature: float | None,
         seed: int,
+        version: int = 0,
     ) -> tuple[list[Tree], RolloutStats, dict[str, Any]]:
-        """The same call `Runtime.rollout` makes in-process, on this worker's envs."""
+        """The same call `Runtime.rollout` makes in-process, on this worker's envs; `version`
+        is the trainer's weight version (engine replicas behind it are not used)."""
+        from agentree.distributed.engine import RemoteEngine
+
         t0 = time.perf_counter()
+        engine = self.rt.engine
+        failovers = 0
+        if isinstance(engine, RemoteEngine):
+            engine.revive(version)
+            failovers = engine.failovers
         self.peak_envs = len(self._live)
         self.status_line = f"{len(tasks)} trees"
 
@@ -125,7 +146,10 @@ class RolloutWorker:
         meta = {"worker": self.index, "node_id": self.node_id, "pid": os.getpid()}
         for tree in trees:
             tree.meta["distributed"] = dict(meta)
-        return trees, stats, {"busy_s": time.perf_counter() - t0, "peak_envs": self.peak_envs}
+        if isinstance(engine, RemoteEngine):
+            failovers = engine.failovers - failovers
+        info = {"busy_s": time.perf_counter() - t0, "peak_envs": self.peak_envs}
+        return trees, stats, {**info, "engine_failovers": failovers}
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Only for a worker with its own engine (`engine_replicas=0`)."""
@@ -137,6 +161,8 @@ class RolloutWorker:
     def status(self) -> dict[str, Any]:
         return {
             "index": self.index,
+            "node_id": self.node_id,
+            "scorer": type(self.rt.scorer).__name__,
             "status": self.status_line,
             "live_envs": len(self._live),
             "busy_s": self.busy_s,
