@@ -178,6 +178,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_train_config(cfg.train)
     if cfg.train.world_size > 1 and "RANK" not in os.environ:
         argv = [*args.argv, "--output", str(run_dir)] if not args.output else args.argv
+        if cfg.distributed.backend == "ray":
+            from agentree.distributed.ranks import train_on_ray
+
+            return train_on_ray(cfg, argv)
         return spawn_ranks(cfg.train.world_size, argv)
     if rank == 0:
         _write_config(cfg, run_dir)
