@@ -168,6 +168,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(cfg))
         return 0
+    if not cfg.output and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("under torchrun pass --output DIR: every rank must use one run directory")
     run_dir = _run_dir(cfg, cfg.rollout["name"])
     cfg.output = str(run_dir)
     if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:

@@ -1,8 +1,8 @@
 """Sharded training: 2 gloo ranks under FSDP2 compute the single-process update, with and
 without gradient accumulation and with LoRA; distributed checkpoints resume onto another world
 size; LoRA trains only adapters and exports a merged model; bf16 and checkpointing run; ranks
-launched as Ray actors compute the same update; ranks > 0 load nothing but their shards, and
-the sharded model they end up with equals the checkpoint exactly.
+> 0 load nothing but their shards, and the sharded model they end up with equals the
+checkpoint exactly. Launching ranks as Ray actors and under torchrun: tests/test_rank_launch.py.
 
 Tolerance of the FSDP-vs-one-process comparisons (fp32): rtol 1e-5, atol 1e-6 on every
 parameter after an AdamW step at lr 1e-3, where the step itself moves weights by ~1e-3.
@@ -11,8 +11,6 @@ parameter after an AdamW step at lr 1e-3, where the step itself moves weights by
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -350,42 +348,3 @@ def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys
     out = capsys.readouterr().out
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_frozenlake).parameters())
     assert f"parameters: {n / 1e6:.2f}M (LoRA r=4" in out
-
-
-def _ray_rank(batch: Path, out: Path) -> dict[str, torch.Tensor] | None:
-    """One rank, in a Ray actor: the `accumulate` variant's update; rank 0 returns the weights."""
-    import torch.distributed as dist
-
-    from agentree.parallel import ParallelTrainer
-
-    torch.set_num_threads(1)
-    trees, groups = torch.load(batch, weights_only=False)
-    cfg = cfg_for(out, *VARIANTS["accumulate"], "train.fsdp=true", "train.world_size=2")
-    tr = ParallelTrainer(cfg, out, log=quiet)
-    try:
-        tr.update(trees, groups)
-        state = full_state(tr.model)
-        return state if dist.get_rank() == 0 else None
-    finally:
-        tr.close()
-
-
-def test_ray_launched_ranks_match_one_process(fixed_batch, tmp_path):
-    """distributed.backend=ray launches the ranks as Ray actors (a real local Ray instance,
-    the rendezvous at rank 0's node); their update is the single-process one."""
-    ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
-    from agentree.distributed.ranks import launch_on_ray
-
-    init, want = single_process(fixed_batch, tmp_path / "ref", VARIANTS["accumulate"], updates=1)
-    env = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-    env.update({k: os.environ[k] for k in ("AGENTREE_CACHE",) if k in os.environ})
-    logs = tempfile.mkdtemp(prefix="atr", dir="/tmp")  # Ray's socket paths must stay short
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, _temp_dir=logs)
-    try:
-        cfg = cfg_for(tmp_path, "train.fsdp=true", "train.world_size=2", "distributed.backend=ray")
-        got, none = launch_on_ray(cfg, _ray_rank, (fixed_batch, tmp_path / "run"))
-    finally:
-        ray.shutdown()
-        shutil.rmtree(logs, ignore_errors=True)
-    assert none is None
-    assert_same(got, want, moved_from=init)
