@@ -70,3 +70,22 @@ def test_chunked_logprobs_and_gradients_equal_full_logits(model, layout, tempera
     # the head is an ordinary output layer again
     logits = model(input_ids=b.ids[:1]).logits
     assert logits.shape[-1] == model.config.vocab_size
+
+
+def test_dry_run_counts_one_slice_of_logits():
+    """The memory estimate holds the fp32 logits and log-softmax (8 bytes a vocabulary entry)
+    of one slice of tokens, not of the whole micro-batch."""
+    from pathlib import Path
+
+    from agentree.config import load_config
+    from agentree.plan import estimate
+
+    recipe = Path(__file__).parent.parent / "configs" / "swebench_patr_qwen3_8b.yaml"
+    act = {
+        c: estimate(load_config(str(recipe), overrides=[f"train.logits_chunk={c}"]))["per_rank"][
+            "activations"
+        ]
+        for c in (0, 2048)
+    }
+    tokens, vocab = 32768, 151936  # the recipe's micro-batch (1 x max_context), Qwen3's vocab
+    assert act[0] - act[2048] == 8 * (tokens - 2048) * vocab

@@ -348,3 +348,14 @@ def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys
     out = capsys.readouterr().out
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_frozenlake).parameters())
     assert f"parameters: {n / 1e6:.2f}M (LoRA r=4" in out
+
+
+def test_dry_run_counts_a_bf16_frozen_base_under_lora():
+    """LoRA with train.dtype=bf16: 2 bytes a base parameter, 4 an adapter one, sharded."""
+    from agentree.plan import estimate
+
+    root = Path(__file__).parent.parent
+    recipe = str(root / "configs/swebench_patr_qwen3_8b.yaml")
+    e = estimate(load_config(recipe, overrides=["train.lora.r=16", "train.world_size=4"]))
+    n = e["params"]
+    assert e["per_rank"]["weights"] == (2 * n["total"] + 4 * n["lora"]) / 4
