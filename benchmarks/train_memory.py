@@ -6,8 +6,9 @@ Each configuration runs in fresh processes: every rank builds the trainable poli
 on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
-rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss),
-RSS after the step, and the bytes of the rank's own parameters and AdamW state (its shards
+rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss)
+once the model is loaded and sharded, peak RSS after the step, RSS after the step, and the
+bytes of the rank's own parameters and AdamW state (its shards
 under FSDP), which the allocator's retained pages do not blur. Only the trainer side is
 measured: rank 0's rollout engine adds its own copy of the weights on top.
 
@@ -115,13 +116,15 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     rank, world = init_distributed(cfg)
     before = rss_mib()
     model, ref = build_trainable(spec["path"], cfg, torch.device("cpu"))
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     upd = ShardedUpdate(model, cfg.train, ref=ref, rank=rank, world=world, device="cpu")
     vocab = AutoConfig.from_pretrained(spec["path"]).vocab_size
     trees, groups = synthetic_batch(spec["trajectories"], spec["seq_len"], vocab)
     upd(trees, groups, lr=1e-5)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     row = {
-        "rank": rank, "start_mib": before, "peak_mib": peak, "after_mib": rss_mib(),
+        "rank": rank, "start_mib": before, "load_peak_mib": load_peak, "peak_mib": peak,
+        "after_mib": rss_mib(),
         "state_mib": state_bytes(model, upd.opt) / 2**20,
     }  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
@@ -140,6 +143,9 @@ def measure(spec: dict, world: int) -> list[dict]:
 
 
 def main() -> None:
+    # glibc returns freed blocks over 64 KiB to the OS instead of raising its threshold and
+    # keeping them, so RSS follows live memory rather than the allocator's high-water mark
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
@@ -186,7 +192,8 @@ def main() -> None:
                     "model": name, "params_m": round(n / 1e6, 1), "ranks": world,
                     "fsdp": world > 1, "lora": r, "dtype": dtype,
                     "load_avg": round(os.getloadavg()[0], 1),
-                    "peak_mib": [round(x["peak_mib"]) for x in per_rank],
+                    "load_peak_mib": [round(x.get("load_peak_mib", 0)) for x in per_rank],
+                "peak_mib": [round(x["peak_mib"]) for x in per_rank],
                     "after_mib": [round(x["after_mib"]) for x in per_rank],
                     "start_mib": [round(x["start_mib"]) for x in per_rank],
                     "state_mib": [round(x["state_mib"]) for x in per_rank],
@@ -195,10 +202,10 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print()
     print(
-        "| model | params | ranks | mode | peak RSS per rank (MiB) | RSS after step (MiB) "
-        "| own weights + AdamW state per rank (MiB) |"
+        "| model | params | ranks | mode | peak RSS after loading (MiB) | peak RSS (MiB) "
+        "| RSS after step (MiB) | own weights + AdamW state (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mode = (
             ("FSDP2" if r["fsdp"] else "1 process")
@@ -207,7 +214,8 @@ def main() -> None:
         )
         print(
             f"| {r['model']} | {r['params_m']}M | {r['ranks']} | {mode} | "
-            f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['after_mib']))} | "
+            f"{' / '.join(map(str, r['load_peak_mib']))} | {' / '.join(map(str, r['peak_mib']))} | "
+            f"{' / '.join(map(str, r['after_mib']))} | "
             f"{' / '.join(map(str, r['state_mib']))} |"
         )
     if args.json:
