@@ -6,7 +6,7 @@ Each configuration runs in fresh processes: every rank builds the trainable poli
 on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
-rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss)
+rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (VmHWM)
 once the model is loaded and sharded, peak RSS after the step, RSS after the step, and the
 bytes of the rank's own parameters and AdamW state (its shards
 under FSDP), which the allocator's retained pages do not blur. Only the trainer side is
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import tempfile
 from pathlib import Path
 
@@ -90,6 +89,14 @@ def state_bytes(model, opt) -> int:
     return n
 
 
+def peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: on Linux that keeps the peak of the
+    process it was forked from (the launcher, which built the model) across exec."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -116,12 +123,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     rank, world = init_distributed(cfg)
     before = rss_mib()
     model, ref = build_trainable(spec["path"], cfg, torch.device("cpu"))
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    load_peak = peak_rss_mib()
     upd = ShardedUpdate(model, cfg.train, ref=ref, rank=rank, world=world, device="cpu")
     vocab = AutoConfig.from_pretrained(spec["path"]).vocab_size
     trees, groups = synthetic_batch(spec["trajectories"], spec["seq_len"], vocab)
     upd(trees, groups, lr=1e-5)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     row = {
         "rank": rank, "start_mib": before, "load_peak_mib": load_peak, "peak_mib": peak,
         "after_mib": rss_mib(),
