@@ -3,11 +3,16 @@
 The padded layout: one right-padded row per root-to-leaf trajectory. Targets are shifted by
 one (logits at position t predict token t+1), so `mask`, `adv` and `sampled_lp` describe the
 predicted tokens 1..T-1 of each row.
+
+Log-probs come from the full [tokens x vocab] logits, or with `chunk > 0` from slices of
+`chunk` tokens through the output layer (`chunked_logprobs`): each slice's fp32 logits are
+recomputed in the backward pass instead of kept, so at most one slice of them exists at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +63,57 @@ def padded_micro_batches(
     ]
 
 
-def token_logprobs(model: Any, b: Batch, temperature: float) -> torch.Tensor:
+def token_logprobs(model: Any, b: Batch, temperature: float, chunk: int = 0) -> torch.Tensor:
     """log pi(token_t | tokens_<t) for t >= 1, under the sampling temperature."""
     dev = next(model.parameters()).device
-    logits = model(input_ids=b.ids.to(dev), attention_mask=b.attn.to(dev)).logits[:, :-1].float()
+    ids = b.ids.to(dev)
+    if chunk:
+        n, length = ids.shape
+        rows = torch.arange(n * length, device=dev).view(n, length)[:, :-1].flatten()
+        with chunked_logprobs(model, rows, ids[:, 1:].flatten(), temperature, chunk):
+            out = model(input_ids=ids, attention_mask=b.attn.to(dev)).logits
+        return out.view(n, length - 1)
+    logits = model(input_ids=ids, attention_mask=b.attn.to(dev)).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, b.ids[:, 1:].to(dev).unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@contextmanager
+def chunked_logprobs(
+    model: Any, rows: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+) -> Iterator[None]:
+    """Inside, the model's output layer returns log pi(targets[i]) at flattened position
+    rows[i] (a [len(rows)] tensor, in `model(...).logits`) instead of the logits.
+
+    The slices run inside the model's own forward, where FSDP has gathered the output layer's
+    weight, so the same code serves sharded and unsharded models."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.flatten(0, -2)[rows]
+        parts = []
+        for s in range(0, h.shape[0], chunk):
+            args = (h[s : s + chunk], head.weight, head.bias, targets[s : s + chunk], temperature)
+            if torch.is_grad_enabled():
+                # keep only the slice's hidden states; its logits are recomputed in backward
+                parts.append(torch.utils.checkpoint.checkpoint(_slice, *args, use_reentrant=False))
+            else:
+                parts.append(_slice(*args))
+        return torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward: plain logits
+
+
+def _slice(
+    h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor, temp: float
+) -> torch.Tensor:
+    logits = torch.nn.functional.linear(h, w, bias).float()
+    if temp > 0 and temp != 1.0:
+        logits = logits / temp
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

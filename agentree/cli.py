@@ -168,6 +168,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(cfg))
         return 0
+    if not cfg.output and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("under torchrun pass --output DIR: every rank must use one run directory")
     run_dir = _run_dir(cfg, cfg.rollout["name"])
     cfg.output = str(run_dir)
     if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:
@@ -178,6 +180,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_train_config(cfg.train)
     if cfg.train.world_size > 1 and "RANK" not in os.environ:
         argv = [*args.argv, "--output", str(run_dir)] if not args.output else args.argv
+        if cfg.distributed.backend == "ray":
+            from agentree.distributed.ranks import train_on_ray
+
+            return train_on_ray(cfg, argv)
         return spawn_ranks(cfg.train.world_size, argv)
     if rank == 0:
         _write_config(cfg, run_dir)

@@ -162,6 +162,9 @@ class TrainConfig(_Section):
     """Training compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them."""
+    logits_chunk: int = Field(0, ge=0)
+    """Tokens per slice of the output layer in the loss (0: all at once); the fp32 logits
+    then exist for one slice at a time, recomputed in the backward pass."""
 
     async_steps: int = Field(0, ge=0, le=1)
     """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs)."""

@@ -43,6 +43,9 @@ class BaseModelView:
     def parameters(self) -> Iterator[Any]:
         return self.model.parameters()
 
+    def get_output_embeddings(self) -> Any:
+        return self.model.get_output_embeddings()
+
     def __call__(self, **kwargs: Any) -> Any:
         with self.model.disable_adapter():
             return self.model(**kwargs)

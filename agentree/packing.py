@@ -40,7 +40,13 @@ from typing import Any
 
 import torch
 
-from agentree.batching import Batch, make_batch, padded_micro_batches, token_logprobs
+from agentree.batching import (
+    Batch,
+    chunked_logprobs,
+    make_batch,
+    padded_micro_batches,
+    token_logprobs,
+)
 from agentree.loss import Aggregation
 
 ATTN_PER_WIDTH = 3.0
@@ -247,14 +253,21 @@ def attention_mask(model: Any, tree_mask: torch.Tensor) -> torch.Tensor:
     )
 
 
-def packed_token_logprobs(model: Any, b: PackedBatch, temperature: float) -> torch.Tensor:
+def packed_token_logprobs(
+    model: Any, b: PackedBatch, temperature: float, chunk: int = 0
+) -> torch.Tensor:
     """log pi of every distinct target token, once: [n_targets], in `b.target` order."""
     dev = next(model.parameters()).device
-    out = model(
-        input_ids=b.ids.to(dev),
-        attention_mask=attention_mask(model, b.tree_mask).to(dev),
-        position_ids=b.position_ids.to(dev),
-    )
+    inputs = {
+        "input_ids": b.ids.to(dev),
+        "attention_mask": attention_mask(model, b.tree_mask).to(dev),
+        "position_ids": b.position_ids.to(dev),
+    }
+    if chunk:
+        tokens = b.ids.flatten()[b.target].to(dev)
+        with chunked_logprobs(model, b.prev.to(dev), tokens, temperature, chunk):
+            return model(**inputs).logits
+    out = model(**inputs)
     # A target's logits are those of its parent token (the previous token of its trajectory,
     # which in a packed row need not be the previous column).
     logits = out.logits.flatten(0, 1)[b.prev.to(dev)].float()
@@ -285,12 +298,14 @@ def token_weights(b: PackedBatch, agg: Aggregation, normalizer: float) -> torch.
     return w[:-1]
 
 
-def batch_logprobs(model: Any, b: Batch | PackedBatch, temperature: float) -> torch.Tensor:
+def batch_logprobs(
+    model: Any, b: Batch | PackedBatch, temperature: float, chunk: int = 0
+) -> torch.Tensor:
     """log pi of each trajectory's tokens in the padded [trajectory, position] layout, from
-    either layout's forward."""
+    either layout's forward; `chunk` > 0 slices the output layer (`chunked_logprobs`)."""
     if isinstance(b, PackedBatch):
-        return unpack(b, packed_token_logprobs(model, b, temperature))
-    return token_logprobs(model, b, temperature)
+        return unpack(b, packed_token_logprobs(model, b, temperature, chunk))
+    return token_logprobs(model, b, temperature, chunk)
 
 
 def forward_cost(rows: int, length: int, kappa: float, *, dense: bool) -> float:

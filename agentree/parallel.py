@@ -11,6 +11,9 @@ so the gradient is that of the whole batch, as in one process.
 
 The update runs on a trainable copy of the policy (fp32 master weights), sharded with
 `fully_shard` per decoder layer and at the root; rank 0's engine keeps its own unsharded model.
+Only rank 0 reads the checkpoint: the other ranks build the model on the meta device and
+receive their shards from rank 0 (`fill_from_rank0`). With LoRA and `train.dtype=bf16` the
+frozen base is kept in bf16 (it has no gradient, so no fp32 master copy), adapters in fp32.
 After each update rank 0 gathers the weights (`get_model_state_dict(full_state_dict=True,
 cpu_offload=True)`, which materialises them once, on rank 0 only) into the engine's model. With
 LoRA only the adapter is gathered: the engine's model carries the same adapters (transformers
@@ -54,10 +57,10 @@ def check_train_config(tc: TrainConfig) -> None:
     """Reject combinations this trainer cannot run, with the fix."""
     if tc.world_size > 1 and not tc.fsdp:
         raise ValueError("train.world_size > 1 needs train.fsdp=true (ranks shard the model)")
-    if tc.dtype == "bf16" and not tc.fsdp:
+    if tc.dtype == "bf16" and not tc.fsdp and not tc.lora.r:
         raise ValueError(
-            "train.dtype=bf16 needs train.fsdp=true: FSDP2's mixed precision keeps the fp32 "
-            "master weights (world_size 1 is fine)"
+            "train.dtype=bf16 needs train.fsdp=true (FSDP2's mixed precision keeps the fp32 "
+            "master weights; world_size 1 is fine) or LoRA (train.lora.r > 0: a bf16 frozen base)"
         )
     if tc.async_steps and needs_parallel_trainer(tc):
         raise ValueError(
@@ -165,11 +168,22 @@ def barrier() -> None:
 def build_trainable(
     path: str, cfg: ExperimentConfig, device: torch.device
 ) -> tuple[Any, Any]:  # fmt: skip
-    """(trainable model, KL reference or None) from the checkpoint at `path`."""
-    from transformers import AutoModelForCausalLM
+    """(trainable model, KL reference or None) from the checkpoint at `path`.
+
+    Under FSDP only rank 0 reads the checkpoint; the other ranks build the model on the meta
+    device (no memory), shard it, and receive their shards from rank 0, so no rank but 0 ever
+    holds the full model. With LoRA and bf16 the frozen base is loaded in bf16: it gets no
+    gradient, so it needs no fp32 master copy (peft keeps the adapters in fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tc = cfg.train
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    dtype = torch.bfloat16 if tc.dtype == "bf16" and tc.lora.r else torch.float32
+    loads = not tc.fsdp or dist.get_rank() == 0
+    if loads:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -180,9 +194,13 @@ def build_trainable(
     elif tc.kl_coef > 0:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     if tc.fsdp:
-        shard(model.get_base_model() if tc.lora.r else model, tc, device)
-        if ref is not None:
-            shard(ref, tc, device)
+        base = model.get_base_model() if tc.lora.r else model
+        full = base.state_dict() if loads else {}  # rank 0's full weights, adapters included
+        for m in (base, ref):
+            if m is not None:
+                shard(m, tc, device)
+                fill_from_rank0(m, dict(full), device)  # the call consumes its dict
+        del full
     else:
         model.to(device)
         if ref is not None:
@@ -190,6 +208,29 @@ def build_trainable(
     if tc.lora.r and tc.kl_coef > 0:
         ref = BaseModelView(model)
     return model, ref
+
+
+def fill_from_rank0(model: Any, full: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Give every rank its shards of rank 0's `full` state dict (one tensor broadcast at a
+    time), and rank 0's buffers: the non-persistent ones (rotary frequencies) are in no state
+    dict and are still on the meta device on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if dist.get_world_size() == 1:
+        return
+    if dist.get_rank() != 0:
+        # real (uninitialised) shards, swapped into the same parameter objects: tied weights
+        # (embeddings = output layer) stay one parameter, and the load below copies in place
+        model.to_empty(device=device)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=opts)
+    for m in model.modules():
+        for name, buf in list(m._buffers.items()):
+            if buf is None:
+                continue
+            t = buf.to(device) if dist.get_rank() == 0 else torch.empty_like(buf, device=device)
+            dist.broadcast(t, src=0)
+            m._buffers[name] = t
 
 
 def shard(model: Any, tc: TrainConfig, device: torch.device) -> None:

@@ -7,7 +7,8 @@ checkpoint, the tiny policy's settings for `tiny`, or a built-in table of the mo
 shipped recipes use when the path is a hub id (nothing is downloaded).
 
 Per rank, with P parameters, T trainable ones (T = P, or the LoRA A/B matrices), W ranks:
-  weights      4P/W bytes under FSDP (fp32 master shards), 4P unsharded
+  weights      4P/W bytes under FSDP (fp32 master shards), 4P unsharded; with LoRA and bf16
+               the frozen base is 2 bytes a parameter
   gathered     the largest FSDP unit (a decoder layer) unsharded in the compute dtype, twice
                (the one computing plus the one prefetched)
   gradients    4T/W      optimiser (AdamW m and v)   8T/W
@@ -93,13 +94,16 @@ def count_parameters(conf: Any, target_modules: list[str], r: int) -> dict[str, 
     return {"total": total, "layer": sum(p.numel() for p in layer.parameters()), "lora": lora}
 
 
-def activation_bytes(conf: Any, tokens: int, checkpointing: bool, act_bytes: int) -> int:
+def activation_bytes(
+    conf: Any, tokens: int, checkpointing: bool, act_bytes: int, logits_chunk: int = 0
+) -> int:
     """Activations kept for backward in one micro-batch of `tokens` tokens.
 
     A decoder layer keeps about (10h + 2*kv + 3i) values per token (norm inputs and outputs,
     q/k/v, attention output, o_proj input, gate/up/act outputs) with a fused attention kernel;
     with checkpointing only each layer's input (h per token) is kept, plus one layer's
-    activations while it is recomputed. The logits and their log-softmax are fp32.
+    activations while it is recomputed. The logits and their log-softmax are fp32, for all
+    tokens at once or, with `train.logits_chunk`, for one slice of that many tokens.
     """
     h, i = conf.hidden_size, conf.intermediate_size
     head_dim = getattr(conf, "head_dim", None) or h // conf.num_attention_heads
@@ -107,7 +111,7 @@ def activation_bytes(conf: Any, tokens: int, checkpointing: bool, act_bytes: int
     per_layer = (10 * h + 2 * kv + 3 * i) * tokens * act_bytes
     layers = conf.num_hidden_layers
     body = (h * tokens * act_bytes * layers + per_layer) if checkpointing else per_layer * layers
-    return body + 8 * tokens * conf.vocab_size
+    return body + 8 * min(tokens, logits_chunk or tokens) * conf.vocab_size
 
 
 def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -123,10 +127,12 @@ def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
         "gathered layers": (2 * compute * n["layer"]) if tc.fsdp and w > 1 else 0,
         "gradients": 4 * trainable / w,
         "optimizer": 8 * trainable / w,
-        "activations": activation_bytes(conf, tokens, tc.gradient_checkpointing, compute),
+        "activations": activation_bytes(
+            conf, tokens, tc.gradient_checkpointing, compute, tc.logits_chunk
+        ),
     }
-    if tc.lora.r:
-        per_rank["weights"] += 4 * n["lora"] / w
+    if tc.lora.r:  # a bf16 frozen base has no fp32 master copy; adapters stay fp32
+        per_rank["weights"] = compute * n["total"] / w + 4 * n["lora"] / w
     if tc.kl_coef > 0 and not tc.lora.r:
         per_rank["reference"] = 4 * n["total"] / w
     return {
@@ -151,6 +157,8 @@ def placement(cfg: ExperimentConfig) -> list[str]:
         lines.append(f"  rank {r}: {dev}, trains its 1/{tc.world_size} of the batch{role}")
     backend = "nccl" if cuda else "gloo"
     launch = "torch multiprocessing (or torchrun)" if tc.world_size > 1 else "this process"
+    if tc.world_size > 1 and cfg.distributed.backend == "ray":
+        launch = "Ray actors, one per rank (or torchrun)"
     mode = "FSDP2" if tc.fsdp else "unsharded"
     lines.append(f"  process group: {backend}, {mode}, launched by {launch}")
     lines.append(

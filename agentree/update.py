@@ -84,6 +84,7 @@ class PolicyUpdate:
     ) -> dict[str, float]:
         tc = self.tc
         temp = self.temperature
+        lc = tc.logits_chunk  # tokens per output-layer slice (0: all at once)
         micro = self.batches(trees, groups)
         on_policy = tc.epochs == 1 and tc.minibatches == 1 and not stale
         old: list[torch.Tensor | None] = []
@@ -94,8 +95,10 @@ class PolicyUpdate:
                 if stale:
                     old.append(b.sampled_lp.float())
                 else:
-                    old.append(None if on_policy else batch_logprobs(self.model, b, temp).cpu())
-                ref.append(None if self.ref is None else batch_logprobs(self.ref, b, temp).cpu())
+                    old.append(None if on_policy else batch_logprobs(self.model, b, temp, lc).cpu())
+                ref.append(
+                    None if self.ref is None else batch_logprobs(self.ref, b, temp, lc).cpu()
+                )
         (n_tok,) = self.global_sum([float(sum(b.mask.sum() for b in micro))])
         drift = 0.0
         sums: dict[str, float] = {}
@@ -114,7 +117,7 @@ class PolicyUpdate:
                 self.opt.zero_grad(set_to_none=True)
                 for i in chunk:
                     b = micro[i]
-                    lp = batch_logprobs(self.model, b, temp)
+                    lp = batch_logprobs(self.model, b, temp, lc)
                     old_i = old[i]
                     old_lp = lp.detach() if old_i is None else old_i.to(dev)
                     if epoch == 0:  # stale data: drift of the current weights from the sampler

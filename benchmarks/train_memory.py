@@ -1,11 +1,14 @@
-"""Peak memory per training rank (RSS on CPU): 1 rank vs 2 FSDP2 ranks, full weights vs LoRA.
+"""Peak memory per training rank (RSS on CPU): 1 rank vs 2 FSDP2 ranks, full weights vs LoRA,
+LoRA on an fp32 or a bf16 frozen base.
 
 Each configuration runs in fresh processes: every rank builds the trainable policy exactly as
-`agentree train` does (`agentree.parallel.build_trainable`: load, LoRA, `fully_shard`) and runs
+`agentree train` does (`agentree.parallel.build_trainable`: rank 0 loads, the other ranks build
+on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
-rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (ru_maxrss),
-RSS after the step, and the bytes of the rank's own parameters and AdamW state (its shards
+rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (VmHWM)
+once the model is loaded and sharded, peak RSS after the step, RSS after the step, and the
+bytes of the rank's own parameters and AdamW state (its shards
 under FSDP), which the allocator's retained pages do not blur. Only the trainer side is
 measured: rank 0's rollout engine adds its own copy of the weights on top.
 
@@ -13,7 +16,9 @@ Models: `tiny` (the 2-layer, 128-wide FrozenLake policy) and `100m`, a ~110M-par
 Qwen2-architecture model (12 layers, 768 wide, 32k vocabulary) built here with random weights
 and saved/loaded through `save_pretrained`/`from_pretrained` like the tiny policy.
 
-    python benchmarks/train_memory.py --models tiny 100m --ranks 1 2 --lora 0 16
+    python benchmarks/train_memory.py --models tiny 100m --ranks 1 2 --lora 0 16 --dtype fp32 bf16
+
+bf16 rows are LoRA only (a bf16 frozen base); `--logits-chunk N` sets `train.logits_chunk`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import tempfile
 from pathlib import Path
 
@@ -85,6 +89,14 @@ def state_bytes(model, opt) -> int:
     return n
 
 
+def peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: on Linux that keeps the peak of the
+    process it was forked from (the launcher, which built the model) across exec."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -104,19 +116,22 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     overrides = [
         f"train.world_size={world}", f"train.fsdp={str(spec['fsdp']).lower()}",
         f"train.lora.r={spec['lora']}", f"train.micro_batch_size={spec['micro_batch']}",
-        "train.kl_coef=0", "policy.device=cpu",
+        "train.kl_coef=0", "policy.device=cpu", f"train.dtype={spec['dtype']}",
+        f"train.logits_chunk={spec['logits_chunk']}",
     ]  # fmt: skip
     cfg = load_config("frozenlake_patr", overrides=overrides)
     rank, world = init_distributed(cfg)
     before = rss_mib()
     model, ref = build_trainable(spec["path"], cfg, torch.device("cpu"))
+    load_peak = peak_rss_mib()
     upd = ShardedUpdate(model, cfg.train, ref=ref, rank=rank, world=world, device="cpu")
     vocab = AutoConfig.from_pretrained(spec["path"]).vocab_size
     trees, groups = synthetic_batch(spec["trajectories"], spec["seq_len"], vocab)
     upd(trees, groups, lr=1e-5)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     row = {
-        "rank": rank, "start_mib": before, "peak_mib": peak, "after_mib": rss_mib(),
+        "rank": rank, "start_mib": before, "load_peak_mib": load_peak, "peak_mib": peak,
+        "after_mib": rss_mib(),
         "state_mib": state_bytes(model, upd.opt) / 2**20,
     }  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
@@ -135,10 +150,15 @@ def measure(spec: dict, world: int) -> list[dict]:
 
 
 def main() -> None:
+    # glibc returns freed blocks over 64 KiB to the OS instead of raising its threshold and
+    # keeping them, so RSS follows live memory rather than the allocator's high-water mark
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     p.add_argument("--lora", nargs="+", type=int, default=[0, 16], help="LoRA ranks (0: full)")
+    p.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    p.add_argument("--logits-chunk", type=int, default=0, help="train.logits_chunk")
     p.add_argument("--trajectories", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
@@ -161,37 +181,48 @@ def main() -> None:
                         AutoConfig.from_pretrained(path)
                     ).parameters()
                 )
-            for world in args.ranks:
-                for r in args.lora:
-                    spec = {
-                        "path": path, "fsdp": world > 1, "lora": r,
-                        "micro_batch": args.micro_batch, "trajectories": args.trajectories,
-                        "seq_len": args.seq_len,
-                    }  # fmt: skip
-                    per_rank = measure(spec, world)
-                    row = {
-                        "model": name, "params_m": round(n / 1e6, 1), "ranks": world,
-                        "fsdp": world > 1, "lora": r,
-                        "peak_mib": [round(x["peak_mib"]) for x in per_rank],
-                        "after_mib": [round(x["after_mib"]) for x in per_rank],
-                        "start_mib": [round(x["start_mib"]) for x in per_rank],
-                        "state_mib": [round(x["state_mib"]) for x in per_rank],
-                    }  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            runs = [
+                (w, r, d)
+                for w in args.ranks
+                for r in args.lora
+                for d in args.dtype
+                if d == "fp32" or r  # bf16 full fine-tuning needs fp32 master weights
+            ]
+            for world, r, dtype in runs:
+                spec = {
+                    "path": path, "fsdp": world > 1, "lora": r, "dtype": dtype,
+                    "micro_batch": args.micro_batch, "trajectories": args.trajectories,
+                    "seq_len": args.seq_len, "logits_chunk": args.logits_chunk,
+                }  # fmt: skip
+                per_rank = measure(spec, world)
+                row = {
+                    "model": name, "params_m": round(n / 1e6, 1), "ranks": world,
+                    "fsdp": world > 1, "lora": r, "dtype": dtype,
+                    "load_avg": round(os.getloadavg()[0], 1),
+                    "load_peak_mib": [round(x.get("load_peak_mib", 0)) for x in per_rank],
+                "peak_mib": [round(x["peak_mib"]) for x in per_rank],
+                    "after_mib": [round(x["after_mib"]) for x in per_rank],
+                    "start_mib": [round(x["start_mib"]) for x in per_rank],
+                    "state_mib": [round(x["state_mib"]) for x in per_rank],
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print()
     print(
-        "| model | params | ranks | mode | peak RSS per rank (MiB) | RSS after step (MiB) "
-        "| own weights + AdamW state per rank (MiB) |"
+        "| model | params | ranks | mode | peak RSS after loading (MiB) | peak RSS (MiB) "
+        "| RSS after step (MiB) | own weights + AdamW state (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        mode = ("FSDP2" if r["fsdp"] else "1 process") + (
-            f" + LoRA r={r['lora']}" if r["lora"] else ""
+        mode = (
+            ("FSDP2" if r["fsdp"] else "1 process")
+            + (f" + LoRA r={r['lora']}" if r["lora"] else "")
+            + (" (bf16 base)" if r["dtype"] == "bf16" else "")
         )
         print(
             f"| {r['model']} | {r['params_m']}M | {r['ranks']} | {mode} | "
-            f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['after_mib']))} | "
+            f"{' / '.join(map(str, r['load_peak_mib']))} | {' / '.join(map(str, r['peak_mib']))} | "
+            f"{' / '.join(map(str, r['after_mib']))} | "
             f"{' / '.join(map(str, r['state_mib']))} |"
         )
     if args.json:

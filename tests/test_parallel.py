@@ -1,6 +1,8 @@
 """Sharded training: 2 gloo ranks under FSDP2 compute the single-process update, with and
 without gradient accumulation and with LoRA; distributed checkpoints resume onto another world
-size; LoRA trains only adapters and exports a merged model; bf16 and checkpointing run.
+size; LoRA trains only adapters and exports a merged model; bf16 and checkpointing run; ranks
+> 0 load nothing but their shards, and the sharded model they end up with equals the
+checkpoint exactly. Launching ranks as Ray actors and under torchrun: tests/test_rank_launch.py.
 
 Tolerance of the FSDP-vs-one-process comparisons (fp32): rtol 1e-5, atol 1e-6 on every
 parameter after an AdamW step at lr 1e-3, where the step itself moves weights by ~1e-3.
@@ -35,10 +37,11 @@ VARIANTS = {
     "whole": ["train.micro_batch_size=64"],
     "accumulate": ["train.micro_batch_size=1"],
     "lora": ["train.micro_batch_size=2", "train.lora.r=4", "train.lora.alpha=8"],
-    "packed": ["train.micro_batch_size=2", "train.packing=tree"],
+    "packed": ["train.micro_batch_size=2", "train.packing=tree", "train.logits_chunk=7"],
 }
 """Each trains on the fixed batch; `accumulate` gives each rank several micro-batches (and one
-an all-masked filler when their count is odd); `packed` trains tree-packed rows on the ranks."""
+an all-masked filler when their count is odd); `packed` trains tree-packed rows on the ranks,
+through the output layer in slices of 7 tokens (`train.logits_chunk`)."""
 
 
 def cfg_for(out: Path, *extra: str):
@@ -113,6 +116,7 @@ def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None
         run = out / name
         cfg = cfg_for(run, *extra, "train.fsdp=true", f"train.world_size={world}")
         tr = ParallelTrainer(cfg, run, log=quiet)
+        loaded = full_state(tr.model)  # rank 1 built it on the meta device, rank 0 sent shards
         tr.update(trees, groups)
         tr.step = 1
         tr.sync_engine()
@@ -120,6 +124,7 @@ def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None
         tr.save()
         if rank == 0:
             torch.save(state, run / "params.pt")
+            torch.save(loaded, run / "loaded.pt")
             engine = {k: v.clone() for k, v in tr.rt.model.state_dict().items()}
             torch.save(engine, run / "engine.pt")
             tr.rt.close()
@@ -139,6 +144,9 @@ def two_ranks(fixed_batch, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("variant", ["whole", "accumulate"])
 def test_two_fsdp_ranks_match_one_process(variant, two_ranks, fixed_batch, tmp_path):
     init, want = single_process(fixed_batch, tmp_path, VARIANTS[variant], updates=1)
+    loaded = torch.load(two_ranks / variant / "loaded.pt")
+    assert loaded.keys() == init.keys()
+    assert all(torch.equal(loaded[k], init[k]) for k in init)  # sharded load: exact
     got = torch.load(two_ranks / variant / "params.pt")
     assert_same(got, want, moved_from=init)
     # rank 0's engine model received the trained weights
@@ -157,6 +165,8 @@ def test_two_fsdp_ranks_on_packed_trees_match_one_process(two_ranks, fixed_batch
 
 def test_two_fsdp_ranks_match_one_process_with_lora(two_ranks, fixed_batch, tmp_path):
     init, want = single_process(fixed_batch, tmp_path, VARIANTS["lora"], updates=1)
+    loaded = torch.load(two_ranks / "lora" / "loaded.pt")
+    assert all(torch.equal(loaded[k], init[k]) for k in init)  # base and adapters from rank 0
     got = torch.load(two_ranks / "lora" / "params.pt")
     assert_same(got, want, moved_from=init)
     # the engine runs the same adapters in place (its keys: the model's inside peft's wrapper)
@@ -249,6 +259,35 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     tr.close()
 
 
+def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):
+    """train.dtype=bf16 under LoRA: the frozen base stays bf16 (no fp32 master copy), the
+    adapters are fp32 and are the only weights that move; the objective improves."""
+    from agentree.lora import is_adapter_key
+    from agentree.packing import batch_logprobs
+    from agentree.parallel import make_trainer
+
+    extra = ["train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2", "train.dtype=bf16"]
+    for fsdp in ("false", "true"):
+        tr = make_trainer(cfg_for(tmp_path / fsdp, *extra, f"train.fsdp={fsdp}"), tmp_path / fsdp)
+        try:
+            before = full_state(tr.model)
+            dtypes = {is_adapter_key(k): {v.dtype} for k, v in before.items()}
+            assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}
+            trees, groups = torch.load(fixed_batch, weights_only=False)
+            micro = tr.updater.batches(trees, groups)
+            with torch.no_grad():
+                old = [batch_logprobs(tr.model, b, 1.0).float() for b in micro]
+            s0 = _surrogate(tr, micro, old)
+            for _ in range(4):
+                tr.update(trees, groups)
+            assert _surrogate(tr, micro, old) < s0 - 1e-3
+            after = full_state(tr.model)
+            changed = {k for k in before if not torch.equal(before[k], after[k])}
+            assert changed and all(is_adapter_key(k) for k in changed)
+        finally:
+            tr.close()
+
+
 def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
     from agentree.parallel import ParallelTrainer, make_trainer
 
@@ -309,3 +348,14 @@ def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys
     out = capsys.readouterr().out
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_frozenlake).parameters())
     assert f"parameters: {n / 1e6:.2f}M (LoRA r=4" in out
+
+
+def test_dry_run_counts_a_bf16_frozen_base_under_lora():
+    """LoRA with train.dtype=bf16: 2 bytes a base parameter, 4 an adapter one, sharded."""
+    from agentree.plan import estimate
+
+    root = Path(__file__).parent.parent
+    recipe = str(root / "configs/swebench_patr_qwen3_8b.yaml")
+    e = estimate(load_config(recipe, overrides=["train.lora.r=16", "train.world_size=4"]))
+    n = e["params"]
+    assert e["per_rank"]["weights"] == (2 * n["total"] + 4 * n["lora"]) / 4
