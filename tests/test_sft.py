@@ -56,7 +56,15 @@ def test_mask_covers_exactly_the_assistant_tokens(tokenizer) -> None:
 
 
 def test_missing_system_message_takes_the_envs(tokenizer) -> None:
+    import copy
+
+    from agentree.models.tiny import CHATML_TEMPLATE
+
+    # the tiny policies' template leaves system messages out; a ChatML one that keeps them
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHATML_TEMPLATE.replace(" if message['role'] != 'system'", "")
     chat = ChatFormat(tokenizer)
+    assert SYSTEM in tokenizer.decode(chat.prompt_ids("P _ G", SYSTEM))
     with_sys = example_from_messages(chat, CONVERSATION)
     without = example_from_messages(chat, CONVERSATION[1:], system=SYSTEM)
     assert with_sys == without

@@ -91,3 +91,14 @@ def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
     expert = walker_success(rt.env_kwargs, tasks, samples=2, expert_prob=1.0)
     success = result["summary"]["success_rate"]
     assert success <= expert - 0.25, (success, expert)
+
+
+def test_tiny_policies_read_the_observation_without_the_instructions(tiny_frozenlake) -> None:
+    from transformers import AutoTokenizer
+
+    from agentree.chat import ChatFormat
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(tiny_frozenlake))
+    env = FrozenLakeEnv(size=4)
+    obs, _ = env.reset(seed=0)
+    assert chat.prompt_ids(obs, env.system_prompt) == chat.prompt_ids(obs)
