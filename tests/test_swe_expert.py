@@ -41,8 +41,8 @@ def test_dropped_lines_are_restored_with_a_python_edit():
 
 def _records(slugs: list[str], n: int, split: str = "train") -> list[dict]:
     """Records of generated candidates without Docker validation (the expert only reads them)."""
-    out = []
-    for c in generate.candidates(slugs)[:n]:
+    out, cands = [], generate.candidates(slugs)
+    for c in cands[:: max(1, len(cands) // n)][:n]:  # spread over the files
         failing = "tests/t.py:3: in test_a\n    assert f(1) == 2\nE   assert 1 == 2"
         out.append(
             generate.make_record(c, ["tests/t.py::test_a"], ["tests/t.py::test_b"], failing, split)
@@ -120,7 +120,7 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     from transformers import AutoTokenizer
 
     # trained on two repositories, measured on a third whose files it never saw
-    records = _records(["roman", "durations"], 40)
+    records = _records(["roman", "durations", "semver", "lrucache", "settings", "stats"], 48)
     heldout = _records(["intervals"], 6, split="heldout")
     cfg = expert.WarmConfig(
         model=TinyModelConfig(
