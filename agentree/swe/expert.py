@@ -1,20 +1,24 @@
 """Scripted expert trajectories on generated tasks, and the warm-started tiny SWE policy.
 
-The expert works the way a mini-swe-agent run on these tasks does, one bash command a turn:
-show the source file the failing tests point at (`cat -n`), edit the faulty line(s) (`sed -i`
-for a one-line fix, a short python script otherwise), run the tests, submit. Each trajectory is
-a chat conversation (instance prompt, then assistant actions and observations rendered with the
-env's own templates), written as chat JSONL for `agentree sft`.
+The expert works the way a mini-swe-agent run on these tasks does, one bash command a turn, and
+every command takes its arguments from text shown earlier in the conversation, so a small model
+can learn it as copying rather than memorising repositories: grep the definition around the bug
+(its name is in the failing tests' output), show 24 numbered lines from the line grep printed
+(`cat -n PATH | tail -n +N | head -n 24`), edit the faulty line with `sed -i 'Ns/old/new/'`
+using a line number from that listing (a short python script when lines were dropped), run the
+tests, submit. A share of the one-line edits (`WarmConfig.noise`) is aimed at a neighbouring
+line on purpose: the tests then fail and the expert submits anyway, so the policy resolves some
+tasks but not most, and RL has something to learn.
 
-Observations are computed from the task's files rather than recorded from a container: `cat -n`
-of the buggy file and an edit's empty output are exact; the test run is shown as pytest's
-summary for the tests the task lists. `check_edit` replays every edit command's effect in Python
-and drops a trajectory whose edit would not reproduce the fixed file, and the tests replay whole
+Observations are computed from the task's files rather than recorded from a container: grep's
+matches, the numbered listing and an edit's empty output are exact; the test run is shown as
+pytest's summary line. `check_edit` replays every edit command's effect in Python and drops a
+trajectory whose edit would not reproduce the fixed file, and the tests replay whole
 trajectories in Docker through `SWEEnv`, graded.
 
 `warm_policy` builds (once, cached by content) a tokenizer trained on the trajectories with the
-command vocabulary as single tokens, a Qwen2 model larger than the default tiny one, and
-fine-tunes it on the trajectories with `agentree.sft.run_sft`.
+command vocabulary and the literal text of the prompt templates as single tokens, a Qwen2 model
+larger than the default tiny one, and fine-tunes it with `agentree.sft.run_sft`.
 """
 
 from __future__ import annotations
