@@ -63,7 +63,7 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
         "train.tasks_per_step=1",
         "train.trees_every=1",
         f"env.step_limit={args.step_limit}",
-        "engine.max_tokens=96",
+        f"engine.max_tokens={args.max_tokens}",
         *ROLLOUT_SETS[rollout],
         *args.set,
     ]
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--heldout-n", type=int, default=8, help="held-out tasks evaluated")
     ap.add_argument("--samples", type=int, default=1, help="held-out samples per task")
     ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--parallel", action="store_true", help="run all (rollout, seed) at once")
     ap.add_argument("--keep", help="keep run directories under this folder")

@@ -2,7 +2,8 @@
 
 Runs `agentree eval --env swebench` as a user would, then reads the eval directory: the share of
 actions that hold exactly one bash block (the env's format check), what the well-formed
-commands were (their first word), and the resolved rates.
+commands were (their first word), and the resolved rates. `--offline N` also samples the
+policy's action at every turn of the expert's conversations on N held-out tasks (no containers).
 
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
 """
@@ -25,7 +26,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=0, help="first N tasks only (0: all)")
     ap.add_argument("--samples", type=int, default=2, help="samples per task (pass@k)")
     ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--offline", type=int, default=0, help="also the offline rate on N tasks")
     ap.add_argument("--keep", help="keep the eval directory here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
@@ -39,7 +42,7 @@ def main() -> None:
             sys.executable, "-m", "agentree", "eval", "--config", "swebench_patr",
             "--tasks", str(tasks), "--policy", args.policy, "--samples", str(args.samples),
             "--output", str(out / "eval"), "--set", f"env.step_limit={args.step_limit}",
-            "--set", "engine.max_tokens=96",
+            "--set", f"engine.max_tokens={args.max_tokens}",
         ]  # fmt: skip
         for s in args.set:
             cmd += ["--set", s]
@@ -63,6 +66,14 @@ def main() -> None:
         f"pass@{args.samples} {100 * summary['pass_at_k']:.1f}%"
     )
     print("commands: " + ", ".join(f"{k} {v}" for k, v in first.most_common(8)))
+    if args.offline:
+        from agentree.swe.expert import well_formed_rate
+
+        records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
+        rate, n = well_formed_rate(
+            args.policy, records[: args.offline], max_new_tokens=args.max_tokens
+        )
+        print(f"offline, on the expert's contexts: {n} actions, {100 * rate:.1f}% well-formed")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """Scripted expert trajectories on generated tasks, and the warm-started tiny SWE policy.
 
-The expert works the way a mini-swe-agent run on these tasks does, one bash command a turn:
-show the source file the failing tests point at (`cat -n`), edit the faulty line(s) (`sed -i`
-for a one-line fix, a short python script otherwise), run the tests, submit. Each trajectory is
-a chat conversation (instance prompt, then assistant actions and observations rendered with the
-env's own templates), written as chat JSONL for `agentree sft`.
+The expert works the way a mini-swe-agent run on these tasks does, one bash command a turn, and
+every command takes its arguments from text shown earlier in the conversation, so a small model
+can learn it as copying rather than memorising repositories: grep the definition around the bug
+(its name is in the failing tests' output), show 24 numbered lines from the line grep printed
+(`cat -n PATH | tail -n +N | head -n 24`), edit the faulty line with `sed -i 'Ns/old/new/'`
+using a line number from that listing (a short python script when lines were dropped), run the
+tests, submit. A share of the one-line edits (`WarmConfig.noise`) is aimed at a neighbouring
+line on purpose: the tests then fail and the expert submits anyway, so the policy resolves some
+tasks but not most, and RL has something to learn.
 
-Observations are computed from the task's files rather than recorded from a container: `cat -n`
-of the buggy file and an edit's empty output are exact; the test run is shown as pytest's
-summary for the tests the task lists. `check_edit` replays every edit command's effect in Python
-and drops a trajectory whose edit would not reproduce the fixed file, and the tests replay whole
+Observations are computed from the task's files rather than recorded from a container: grep's
+matches, the numbered listing and an edit's empty output are exact; the test run is shown as
+pytest's summary line. `check_edit` replays every edit command's effect in Python and drops a
+trajectory whose edit would not reproduce the fixed file, and the tests replay whole
 trajectories in Docker through `SWEEnv`, graded.
 
 `warm_policy` builds (once, cached by content) a tokenizer trained on the trajectories with the
-command vocabulary as single tokens, a Qwen2 model larger than the default tiny one, and
-fine-tunes it on the trajectories with `agentree.sft.run_sft`.
+command vocabulary and the literal text of the prompt templates as single tokens, a Qwen2 model
+larger than the default tiny one, and fine-tunes it with `agentree.sft.run_sft`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ from agentree.models.tiny import TinyModelConfig
 from agentree.prompts import render
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
+GREP = 'grep -rnF --include=*.py --exclude-dir=tests "'
+WINDOW = 24
+"""Lines of a file the expert shows at once (short observations, as mini-swe-agent keeps them)."""
 ATOMIC = (
+    GREP,
+    " | tail -n +",
+    " | head -n ",
     "THOUGHT:",
     "```bash\n",
     "cat -n ",
@@ -45,6 +55,33 @@ ATOMIC = (
     f"echo {SENTINEL}",
 )
 """Command pieces that become single tokens: well-formed actions are then short sequences."""
+TEMPLATES = (
+    "swe/system.txt",
+    "swe/instance.txt",
+    "swe/generated_issue.txt",
+    "swe/observation.txt",
+    "swe/submitted.txt",
+)
+
+
+def template_pieces(min_chars: int = 12) -> list[str]:
+    """The literal text between the placeholders of the SWE prompt templates.
+
+    Each becomes one token: the fixed instructions (about 1,000 tokens of every conversation
+    with a 1,024-entry BPE vocabulary) then cost a few positions, which is what makes fine-tuning
+    on a few hundred trajectories affordable on two CPU cores.
+    """
+    from agentree.prompts import load, placeholders
+
+    mark = "\x00"
+    out: list[str] = []
+    for name in TEMPLATES:
+        text = load(name)
+        for key in placeholders(text):
+            text = text.replace("{" + key + "}", mark)
+        pieces = [p.rstrip() for p in text.split(mark)]
+        out += [p for p in pieces if len(p.strip()) >= min_chars and p not in out]
+    return out
 
 
 # -- trajectories ----------------------------------------------------------------------------
@@ -169,48 +206,166 @@ def _reverse_apply(fixed: str, patch: str, path: str) -> str:
         return target.read_text()
 
 
-def trajectory(record: dict[str, Any], step_limit: int = 50) -> list[dict[str, str]] | None:
-    """The expert's conversation on a generated task (None when its edit cannot be checked)."""
+def _anchor(buggy: str, line: int) -> tuple[str, int]:
+    """The definition the buggy line belongs to: (text to grep for, its line number).
+
+    The innermost function or class around `line`, else the top-level statement (a module
+    constant's `NAME =`); the expert greps for it, so the file path and the line numbers it
+    uses next are copied from the output of its own commands.
+    """
+    import ast
+
+    tree = ast.parse(buggy)
+    best: tuple[str, int] | None = None
+    for node in ast.walk(tree):
+        end = getattr(node, "end_lineno", None)
+        if end is None or not node.lineno <= line <= end:
+            continue
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            word = "class" if isinstance(node, ast.ClassDef) else "def"
+            if best is None or node.lineno >= best[1]:
+                best = (f"{word} {node.name}", node.lineno)
+    if best is not None:
+        return best
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                return f"{node.targets[0].id} =", node.lineno
+            return _lines(buggy)[node.lineno - 1].strip()[:30], node.lineno
+    return _lines(buggy)[line - 1].strip()[:30], line
+
+
+def _changed_line(buggy: str, fixed: str) -> int:
+    """The first line of `buggy` the fix changes (for dropped lines, the one before the gap)."""
+    a, b = _lines(buggy), _lines(fixed)
+    ops = [op for op in difflib.SequenceMatcher(a=a, b=b).get_opcodes() if op[0] != "equal"]
+    i1, i2 = ops[0][1], ops[0][2]
+    return min(i1 + 1 if i2 > i1 else i1, len(a)) or 1
+
+
+def _window(buggy: str, start: int, line: int) -> tuple[int, str]:
+    """(first line, `cat -n` text) of the WINDOW lines from `start`, moved to show `line`."""
+    lines = _lines(buggy)
+    first = start if line < start + WINDOW else line - WINDOW // 2
+    shown = lines[first - 1 : first - 1 + WINDOW]
+    return first, "".join(f"{i:6d}\t{text}" for i, text in enumerate(shown, first))
+
+
+def _wrong_line(command: str, line: int, first: int, n_lines: int, rng: random.Random) -> str:
+    """The same sed edit aimed at a neighbouring line (the expert's deliberate mistake)."""
+    choices = [k for k in range(max(first, line - 3), min(n_lines, line + 3) + 1) if k != line]
+    return re.sub(r"^sed -i '\d+s", f"sed -i '{rng.choice(choices)}s", command)
+
+
+def trajectory(
+    record: dict[str, Any],
+    step_limit: int = 50,
+    *,
+    noise: float = 0.0,
+    rng: random.Random | None = None,
+) -> list[dict[str, str]] | None:
+    """The expert's conversation on a generated task (None when its edit cannot be checked).
+
+    grep for the definition around the bug, show it (`cat -n | tail | head`), edit, run the
+    tests, submit: each command's path and line numbers appear in an earlier observation.
+    With probability `noise` a one-line edit is aimed at a neighbouring line instead (the tests
+    then fail and the expert submits anyway), so the policy resolves some tasks but not all.
+    """
+    rng = rng or random.Random(0)
     path = _source_file(record)
     buggy, fixed = _files(record)
     edit = fix_action(path, buggy, fixed)
     command = edit.split("```bash\n", 1)[1].rsplit("\n```", 1)[0]
     if not check_edit(command, buggy, fixed):
         return None
-    numbered = "".join(f"{i:6d}\t{line}" for i, line in enumerate(_lines(buggy), 1))
-    tests = len(json.loads(record["FAIL_TO_PASS"])) + len(json.loads(record["PASS_TO_PASS"]))
-    first = render(
+    line = _changed_line(buggy, fixed)
+    anchor, start = _anchor(buggy, line)
+    first, shown = _window(buggy, start, line)
+    f2p = json.loads(record["FAIL_TO_PASS"])
+    tests = len(f2p) + len(json.loads(record["PASS_TO_PASS"]))
+    wrong = command.startswith("sed -i") and rng.random() < noise
+    if wrong:
+        bad = _wrong_line(command, line, first, len(_lines(buggy)), rng)
+        n = bad.split("'", 2)[1].split("s", 1)[0]
+        edit = _action(f"line {n} of {path} is wrong; fix it.", bad)
+    hits = _grep(record, buggy, anchor)
+    first_prompt = render(
         "swe/instance.txt",
         problem_statement=record["problem_statement"].strip(),
         workdir="/testbed",
         step_limit=step_limit,
         sentinel=SENTINEL,
     )
+    quoted = anchor.replace('"', '\\"')
     steps = [
-        (_action(f"the failing tests point at {path}; read it.", f"cat -n {path}"), numbered),
+        (_action(f"find `{anchor}`.", f'{GREP}{quoted}" *'), hits),
+        (_action(f"read {path} from line {first}.", _show(path, first)), shown),
         (edit, ""),
-        (_action("run the tests again.", TEST_RUN), _pytest_tail(tests)),
+        (_action("run the tests again.", TEST_RUN), _pytest_tail(tests, f2p if wrong else [])),
     ]
-    msgs = [{"role": "user", "content": first}]
+    msgs = [{"role": "user", "content": first_prompt}]
     for action, output in steps:
         msgs.append({"role": "assistant", "content": action})
+        code = 1 if output.startswith("FAILED") else 0
         msgs.append(
-            {"role": "user", "content": render("swe/observation.txt", returncode=0, output=output)}
+            {
+                "role": "user",
+                "content": render("swe/observation.txt", returncode=code, output=output),
+            }
         )
     msgs.append({"role": "assistant", "content": SUBMIT_ACTION})
     return msgs
 
 
-def _pytest_tail(tests: int) -> str:
-    """What `pytest -q | tail -n 3` prints when all `tests` pass (the duration varies)."""
+def _grep(record: dict[str, Any], buggy: str, anchor: str) -> str:
+    """What the expert's grep prints: matching lines of the repository's non-test sources."""
+    from agentree.swe.generate import fixed_files
+
+    files = {p: b.decode() for p, b in fixed_files(record["repo"].split("/", 1)[1]).items()}
+    files[_source_file(record)] = buggy
+    out = []
+    for p in sorted(files):
+        if not p.endswith(".py") or p.startswith("tests/") or "/tests/" in p:
+            continue
+        out += [f"{p}:{i}:{t.rstrip()}" for i, t in enumerate(_lines(files[p]), 1) if anchor in t]
+    return "".join(x + "\n" for x in out)
+
+
+def _show(path: str, first: int) -> str:
+    return f"cat -n {path} | tail -n +{first} | head -n {WINDOW}"
+
+
+def _pytest_tail(tests: int, failing: Sequence[str] = ()) -> str:
+    """What `pytest -q | tail -n 3` prints when all `tests` pass, or the `failing` ones fail
+    (the duration varies; a failure's message is left out)."""
+    if failing:
+        passed = tests - len(failing)
+        return f"FAILED {failing[-1]}\n{len(failing)} failed, {passed} passed in 0.05s\n"
     return f"{'.' * tests}{'[100%]':>{80 - tests}}\n{tests} passed in 0.05s\n"
 
 
-def write_trajectories(records: Sequence[dict[str, Any]], output: Path) -> tuple[int, int]:
-    """Chat JSONL of the expert on `records`; returns (written, skipped)."""
-    rows = [t for r in records if (t := trajectory(r)) is not None]
+def conversations(
+    records: Sequence[dict[str, Any]], per_task: int = 1, noise: float = 0.0, seed: int = 0
+) -> list[list[dict[str, str]]]:
+    """`per_task` expert conversations per record, each with its own draw of the noise."""
+    rng = random.Random(seed)
+    out = []
+    for r in records:
+        for _ in range(per_task):
+            if (t := trajectory(r, noise=noise, rng=rng)) is not None:
+                out.append(t)
+    return out
+
+
+def write_trajectories(
+    records: Sequence[dict[str, Any]], output: Path, cfg: WarmConfig | None = None
+) -> tuple[int, int]:
+    """Chat JSONL of the expert on `records` (as `warm_policy` sees them); returns (written,
+    tasks skipped)."""
+    cfg = cfg or WarmConfig()
+    rows = conversations(records, cfg.per_task, cfg.noise, cfg.seed)
     output.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    return len(rows), len(records) - len(rows)
+    return len(rows), len(records) - len(rows) // cfg.per_task
 
 
 def expert_policy(
@@ -246,9 +401,14 @@ class WarmConfig(BaseModel):
     )
     """Tokenizer and model shape: a BPE vocabulary trained on the trajectories (keeps
     identifiers and operators whole) and a model wider and deeper than the default tiny one."""
-    max_trajectories: int = Field(64, ge=1)
-    """Expert trajectories fine-tuned on (a seeded sample of the tasks; a CPU-time budget)."""
-    epochs: int = Field(3, ge=1)
+    per_task: int = Field(2, ge=1)
+    """Expert trajectories per task, each with its own draw of the noise."""
+    noise: float = Field(0.3, ge=0.0, le=1.0)
+    """Share of one-line edits the expert aims at a neighbouring line (unresolved episodes, so
+    the policy resolves some tasks but not most and RL has something to learn)."""
+    max_trajectories: int = Field(352, ge=1)
+    """Expert trajectories fine-tuned on (a seeded sample of them; a CPU-time budget)."""
+    epochs: int = Field(2, ge=1)
     """Passes over the expert trajectories."""
     lr: float = Field(2e-3, gt=0)
     """Peak learning rate (a randomly initialised model needs a large one)."""
@@ -276,12 +436,12 @@ def warm_policy(
     from agentree.sft import SFTConfig, run_sft
 
     cfg = cfg or WarmConfig()
-    convs = [t for r in records if (t := trajectory(r)) is not None]
+    convs = conversations(records, cfg.per_task, cfg.noise, cfg.seed)
     if not convs:
         raise ValueError("no expert trajectory could be made from these tasks")
     if len(convs) > cfg.max_trajectories:
         convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
-    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 1})
+    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 2})
     target = out_dir or cache_root() / "swe-warm" / key
     if (target / "config.json").exists():
         return target
@@ -292,7 +452,8 @@ def warm_policy(
     shape = cfg.model.model_copy(update={"seed": cfg.seed})
 
     def write(tmp: Path) -> None:
-        base = build_tiny_policy(corpus, shape, ATOMIC, out_dir=tmp / "base")
+        atomic = (*ATOMIC, *template_pieces())
+        base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base")
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
         run_sft(base, convs, tmp, sft, system=system, log=log)
         import shutil
@@ -300,3 +461,56 @@ def warm_policy(
         shutil.rmtree(tmp / "base")
 
     return build_once(target, write)
+
+
+def well_formed_rate(
+    policy: str | Path,
+    records: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int = 160,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> tuple[float, int]:
+    """(share of sampled actions holding exactly one bash block, actions sampled).
+
+    The policy answers at every turn of the expert's conversation on each task (the expert's
+    earlier actions and observations as its context), so the format is measured on held-out
+    tasks in seconds, without containers; `benchmarks/swe_warm_policy.py` measures it on the
+    policy's own episodes in Docker.
+    """
+    import torch
+
+    from agentree.chat import ChatFormat
+    from agentree.engines.hf import load_policy
+    from agentree.envs.swe import SWEEnv, parse_commands
+
+    model, tokenizer = load_policy(policy)
+    chat = ChatFormat(tokenizer)
+    env = SWEEnv()
+    system = env.system_prompt
+    env.close()
+    torch.manual_seed(seed)
+    good = total = 0
+    for record in records:
+        conv = trajectory(record)
+        if conv is None:
+            continue
+        ids = chat.prompt_ids(conv[0]["content"], system)
+        for k in range(1, len(conv), 2):
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    do_sample=temperature > 0,
+                    temperature=temperature if temperature > 0 else None,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=list(chat.stop_token_ids),
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            action = chat.decode_action(out[0, len(ids) :].tolist())
+            good += len(parse_commands(action)) == 1
+            total += 1
+            expert_ids = [*chat.encode(conv[k]["content"]), chat.end_of_turn_id]
+            ids = ids + expert_ids
+            if k + 1 < len(conv):
+                ids += chat.observation_ids(conv[k + 1]["content"], expert_ids)
+    return good / max(total, 1), total
