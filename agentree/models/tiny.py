@@ -24,9 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML without the system message. A model trained from scratch gains nothing from
 # instructions, and they can cost it the task: FrozenLake's instructions name the map's symbols
-# (P, G, O, _) with the map's own tokens. Fine-tuned on the BFS expert's first moves (batches of
-# 32), the 2-layer policy's first-move accuracy on held-out 4x4 maps stayed at chance (31%) after
-# 100 steps with the instructions in the prompt, and reached 69% without them (84% after 400).
+# (P, G, O, _) with the map's own tokens. Fine-tuned on the BFS expert's first moves, 32 a step
+# (`benchmarks/warm_probe.py --demos 8000 --first-turn --max-steps 300`), the 2-layer policy's
+# first-move accuracy on held-out 4x4 maps stayed at chance (31%) for 300 steps with the
+# instructions in the prompt, and reached 69% by step 100 and 74% by step 200 without them.
 # Being in the template, the choice travels with every checkpoint fine-tuned from a tiny policy.
 CHATML_TEMPLATE = (
     "{% for message in messages if message['role'] != 'system' %}"
