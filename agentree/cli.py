@@ -220,6 +220,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
 
             actions = [0, 0]  # well-formed, judged
+            shown = [0.0]
+
+            def on_rollout(msg: str) -> None:
+                # the bar's status shows the live rollout; off a terminal, Ray runs print the
+                # per-worker line every few seconds (in-process steps are short enough without)
+                if live:
+                    progress.update(bar, status=msg)
+                elif cfg.distributed.backend == "ray" and time.perf_counter() - shown[0] > 5:
+                    shown[0] = time.perf_counter()
+                    print(f"rollout: {msg}", file=sys.stderr, flush=True)
+
+            trainer.progress = on_rollout
 
             def on_step(step: int, m: dict[str, float]) -> None:
                 actions[0] += int(m.get("rollout/actions_well_formed", 0))

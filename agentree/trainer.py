@@ -86,6 +86,8 @@ class Trainer:
         self._order: list[int] = []
         self._cursor = 0
         self.stop = StopSignals()
+        self.progress: Callable[[str], None] | None = None
+        """Receives the rollout's live progress (per worker on Ray) while a step rolls out."""
         self._step_start: dict[str, Any] | None = None
         self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
         self._pending: tuple[Any, int] | None = None
@@ -179,7 +181,9 @@ class Trainer:
     def _first_round(self, n: int) -> tuple[list[Tree], RolloutStats, int]:
         """The prefetched rollout (async) or a fresh one; and the weight version it sampled."""
         if self._pending is None:
-            return *self.rt.rollout(self.next_tasks(n), step=self.step), self.step
+            return *self.rt.rollout(
+                self.next_tasks(n), step=self.step, progress=self.progress
+            ), self.step
         pending, version = self._pending
         self._pending = None
         trees, st = pending.result()
@@ -203,7 +207,9 @@ class Trainer:
             if rounds == 0:
                 trees, st, version = self._first_round(need)
             else:
-                trees, st = self.rt.rollout(self.next_tasks(need), step=self.step)
+                trees, st = self.rt.rollout(
+                    self.next_tasks(need), step=self.step, progress=self.progress
+                )
             stats.add(st)
             for tree in trees:
                 group = self.rt.controller.group(tree)

@@ -425,6 +425,28 @@ def test_rollout_cli_on_ray_prints_per_worker_progress(cluster, tmp_path, tiny_f
     assert {t["meta"]["distributed"]["worker"] for t in trees} == {0, 1}
 
 
+def test_train_cli_on_ray_prints_per_worker_progress(cluster, tmp_path, tiny_frozenlake):
+    """`agentree train` with the Ray flags, without a terminal: the step's rollout progress names
+    every worker while it runs, and the run finishes."""
+    sets = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+        "train.tasks_per_step=8",
+        "train.eval_every=0",
+    ]
+    cmd = [
+        sys.executable, "-m", "agentree", "train", "--policy", "tiny", "--steps", "1",
+        "--output", str(tmp_path / "run"), *[x for o in sets for x in ("--set", o)],
+    ]  # fmt: skip
+    r = subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("rollout: ")]
+    assert any("w0@" in x and "w1@" in x for x in lines), r.stderr
+    assert "step 1/1" in r.stderr
+
+
 def test_hung_worker_is_bounded_by_the_timeout(cluster):
     """A worker stuck in an env step (a stalled sandbox) past `tree_timeout_s` is killed: its
     tree ends as env_error, the other worker's tree completes, Ray restarts the worker and the
