@@ -55,6 +55,9 @@ __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 class Trainer:
     """Owns the runtime (policy, engine, envs, controller), the optimiser and the run dir."""
 
+    progress: Callable[[str], None] | None = None
+    """Receives the rollout's live progress (per worker on Ray) while a step rolls out."""
+
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -86,8 +89,6 @@ class Trainer:
         self._order: list[int] = []
         self._cursor = 0
         self.stop = StopSignals()
-        self.progress: Callable[[str], None] | None = None
-        """Receives the rollout's live progress (per worker on Ray) while a step rolls out."""
         self._step_start: dict[str, Any] | None = None
         self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
         self._pending: tuple[Any, int] | None = None

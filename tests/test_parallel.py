@@ -61,10 +61,13 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
 
 
-def assert_same(got: dict, want: dict, moved_from: dict | None = None) -> None:
+def assert_same(
+    got: dict, want: dict, moved_from: dict | None = None, tol: dict | None = None
+) -> None:
+    tol = tol or TOL
     assert got.keys() == want.keys()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], **TOL, msg=k)
+        torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
     if moved_from is not None:  # the comparison can fail: the update moved the weights
         moved = max(float((want[k] - moved_from[k]).abs().max()) for k in want)
         assert moved > 100 * TOL["atol"]
@@ -160,7 +163,12 @@ def test_two_fsdp_ranks_on_packed_trees_match_one_process(two_ranks, fixed_batch
     give the single-process packed update (packed equals padded: tests/test_packing.py)."""
     init, want = single_process(fixed_batch, tmp_path, VARIANTS["packed"], updates=1)
     got = torch.load(two_ranks / "packed" / "params.pt")
-    assert_same(got, want, moved_from=init)
+    # Ranks sum a packed row's gradient in slices of 7 tokens and other row groupings than one
+    # process does; where an element's gradient nearly cancels, AdamW's m / sqrt(v) turns that
+    # summation-order difference into a visible part of one step (measured: 1 of 16384
+    # elements off, by 1.5e-6 in one run and 2.0e-5 in another, against steps of ~3e-4), so this
+    # comparison allows 1e-4 where the others allow 1e-6.
+    assert_same(got, want, moved_from=init, tol={"rtol": 1e-3, "atol": 1e-4})
 
 
 def test_two_fsdp_ranks_match_one_process_with_lora(two_ranks, fixed_batch, tmp_path):

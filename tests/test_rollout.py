@@ -210,7 +210,7 @@ def test_tree_random_expands_without_pruning(tokenizer):
 
 def test_context_budget_ends_branches(tokenizer):
     ctx = context(tokenizer, first_moves(None), max_turns=10)
-    ctx.max_context = 400
+    ctx.max_context = 200
     grpo = make_controller("grpo", G=2)
     (tree,), _ = grpo.rollout([task()], ctx)
     assert {leaf.end_reason for leaf in tree.finished_leaves()} == {EndReason.MAX_TOKENS}
