@@ -231,7 +231,7 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     from agentree.packing import batch_logprobs
     from agentree.parallel import ParallelTrainer, make_trainer
 
-    cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=3e-3")
+    cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
     tr = make_trainer(cfg, tmp_path / "run", log=quiet)
     assert isinstance(tr, ParallelTrainer)
     trees, groups = torch.load(fixed_batch, weights_only=False)

@@ -89,10 +89,8 @@ def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
     assert valid >= 0.95
     tasks = rt.load_tasks(cfg.eval.tasks, split="eval")
     expert = walker_success(rt.env_kwargs, tasks, samples=2, expert_prob=1.0)
-    walker = walker_success(rt.env_kwargs, tasks, samples=32)
     success = result["summary"]["success_rate"]
-    # it has learned where to go (well above random valid moves) but not all of it
-    assert walker + 0.1 < success <= expert - 0.1, (walker, success, expert)
+    assert success <= expert - 0.25, (success, expert)
 
 
 def test_tiny_policies_read_the_observation_without_the_instructions(tiny_frozenlake) -> None:
