@@ -220,17 +220,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
 
             actions = [0, 0]  # well-formed, judged
-            shown = [0.0]
-
-            def on_rollout(msg: str) -> None:
-                # the bar's status shows the live rollout; off a terminal, Ray runs print the
-                # per-worker line every few seconds (in-process steps are short enough without)
-                if live:
-                    progress.update(bar, status=msg)
-                elif cfg.distributed.backend == "ray" and time.perf_counter() - shown[0] > 5:
-                    shown[0] = time.perf_counter()
-                    print(f"rollout: {msg}", file=sys.stderr, flush=True)
-
+            # off a terminal only Ray runs print it (per worker), every few seconds
+            every = 5.0 if cfg.distributed.backend == "ray" else None
+            on_rollout = _progress_lines(
+                console, lambda msg: progress.update(bar, status=msg), every=every
+            )
             trainer.progress = on_rollout
 
             def on_step(step: int, m: dict[str, float]) -> None:
@@ -304,7 +298,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             f"tasks -> {run_dir}"
         )
         with console.status("rolling out") as status:
-            trees, stats = rt.rollout(tasks, progress=_progress_lines(console, status))
+            trees, stats = rt.rollout(tasks, progress=_progress_lines(console, status.update))
     finally:
         rt.close()
     from agentree.tree import save_trees
@@ -329,16 +323,18 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_lines(console: Any, status: Any) -> Callable[[str], None]:
-    """Rollout progress: the live status line on a terminal; without one (CI logs, nohup)
-    one plain line each time the progress changes."""
-    last = [""]
+def _progress_lines(
+    console: Any, update: Callable[[str], None], every: float | None = 0.0
+) -> Callable[[str], None]:
+    """Rollout progress: `update` (a live status) on a terminal; without one (CI logs, nohup)
+    one plain line when the progress changes, at most every `every` seconds (None: none)."""
+    last = ["", 0.0]
 
     def show(msg: str) -> None:
         if console.is_terminal:
-            status.update(msg)
-        elif msg != last[0]:
-            last[0] = msg
+            update(msg)
+        elif every is not None and msg != last[0] and time.perf_counter() - last[1] >= every:
+            last[:] = [msg, time.perf_counter()]
             print(f"rollout: {msg}", file=sys.stderr, flush=True)
 
     return show
@@ -368,7 +364,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             tasks=args.tasks,
             samples=args.samples,
             log=console.print,
-            progress=_progress_lines(console, status),
+            progress=_progress_lines(console, status.update),
         )
     s = result["summary"]
     console.print(

@@ -27,9 +27,6 @@ import random
 import time
 from pathlib import Path
 
-MOVES = ("Left", "Down", "Right", "Up")
-DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,8 +52,9 @@ def main() -> None:
     from agentree.engines.hf import load_policy
     from agentree.envs.frozenlake import FrozenLakeEnv
     from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
-    from agentree.models.warm import WarmConfig, demonstrations, distances_to_goal, valid_moves
+    from agentree.models.warm import MOVES, WarmConfig, demonstrations, shortest_moves
     from agentree.sft import SFTExample, example_from_messages, sft_loss
+    from agentree.sft import _lr as sft_lr
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,15 +86,9 @@ def main() -> None:
     held_out = FrozenLakeEnv.load_tasks(args.probe_maps, seed=0, split="eval")
     for task in held_out:
         obs, info = env.reset(seed=task.seed, options=task.options)
-        desc, pos = info["desc"], tuple(info["pos"])
-        dist = distances_to_goal(desc)
-        if pos not in dist:
+        best = set(shortest_moves(info["desc"], tuple(info["pos"])))
+        if not best:
             continue
-        best = {
-            m
-            for m in valid_moves(desc, pos)
-            if dist.get((pos[0] + DELTA[m][0], pos[1] + DELTA[m][1])) == dist[pos] - 1
-        }
         probes.append((prompt(obs), best))
 
     @torch.no_grad()
@@ -113,7 +105,6 @@ def main() -> None:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     steps = args.epochs * math.ceil(len(data) / args.batch)
-    warmup = max(1, steps // 20)
     rng = random.Random(0)
     lines = []
     t0 = time.perf_counter()
@@ -137,10 +128,8 @@ def main() -> None:
         order = list(range(len(data)))
         rng.shuffle(order)
         for s in range(0, len(order), args.batch):
-            progress = max(step - warmup, 0) / max(steps - warmup, 1)
-            lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
             for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (step + 1) / warmup)
+                g["lr"] = sft_lr(args.lr, step, steps)
             loss, n = sft_loss(model, [data[i] for i in order[s : s + args.batch]], 0, "cpu")
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -165,6 +154,8 @@ def main() -> None:
 def sampled_success(args, model, chat, env, tasks, prompt) -> float:
     """Held-out success sampling the four moves at temperature 1, 64 maps."""
     import torch
+
+    from agentree.models.warm import MOVES
 
     move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
     gen = torch.Generator().manual_seed(0)

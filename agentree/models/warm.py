@@ -84,6 +84,20 @@ def valid_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
     return out
 
 
+def shortest_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
+    """Moves that bring `pos` one step closer to G, in `_PREFERENCE` order (empty if G is out
+    of reach)."""
+    dist = distances_to_goal(desc)
+    here = dist.get(pos)
+    return [
+        mv
+        for mv in _PREFERENCE
+        if mv in valid_moves(desc, pos)
+        and here is not None
+        and dist.get((pos[0] + _DELTA[mv][0], pos[1] + _DELTA[mv][1])) == here - 1
+    ]
+
+
 def scripted_move(
     desc: Sequence[str], pos: tuple[int, int], expert_prob: float, rng: random.Random
 ) -> str:
@@ -95,15 +109,7 @@ def scripted_move(
     """
     moves = valid_moves(desc, pos)
     if rng.random() < expert_prob:
-        dist = distances_to_goal(desc)
-        here = dist.get(pos)
-        best = [
-            mv
-            for mv in _PREFERENCE
-            if mv in moves
-            and here is not None
-            and dist.get((pos[0] + _DELTA[mv][0], pos[1] + _DELTA[mv][1])) == here - 1
-        ]
+        best = shortest_moves(desc, pos)
         if best:
             return best[0]
     return rng.choice(moves)
