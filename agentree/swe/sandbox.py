@@ -57,7 +57,7 @@ EXEC_ATTEMPTS = 3
 """Tries of one command whose container stops under it (restarted in between)."""
 _STOPPED = re.compile(
     r"is not running|cannot exec in a \w+ (?:state|container)|OCI runtime exec failed"
-    r"|No such exec instance|^task [0-9a-f]+ not found",
+    r"|No such exec instance|^task [0-9a-f]+ not found|ttrpc: closed",
     re.M,
 )
 
@@ -130,7 +130,10 @@ class Sandbox:
                     self._restart(api)
                     continue
                 # Docker reports an exec that met a dying container as the exec's own output
-                if not (res.returncode == 126 and _container_stopped(res.output)):
+                if not (
+                    res.returncode == 126
+                    and (_container_stopped(res.output) or self._stopped(api))
+                ):
                     return res
                 if attempt < EXEC_ATTEMPTS - 1:
                     self._restart(api)
