@@ -52,7 +52,7 @@ def main() -> None:
     from agentree.engines.hf import load_policy
     from agentree.envs.frozenlake import FrozenLakeEnv
     from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
-    from agentree.models.warm import MOVES, WarmConfig, demonstrations, shortest_moves
+    from agentree.models.warm import WarmConfig, demonstrations, first_move_skill
     from agentree.sft import SFTExample, example_from_messages, sft_loss
     from agentree.sft import _lr as sft_lr
 
@@ -80,28 +80,13 @@ def main() -> None:
     for c in convs:
         e = example_from_messages(chat, c)
         data.append(SFTExample(prefix + e.token_ids, [0] * len(prefix) + e.loss_mask))
-    move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
-
-    probes = []
     held_out = FrozenLakeEnv.load_tasks(args.probe_maps, seed=0, split="eval")
-    for task in held_out:
-        obs, info = env.reset(seed=task.seed, options=task.options)
-        best = set(shortest_moves(info["desc"], tuple(info["pos"])))
-        if not best:
-            continue
-        probes.append((prompt(obs), best))
 
-    @torch.no_grad()
     def probe() -> tuple[float, float]:
         model.eval()
-        hits, mass = 0, 0.0
-        for ids, best in probes:
-            p = model(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)[move_ids]
-            p = p / p.sum()
-            hits += MOVES[int(p.argmax())] in best
-            mass += float(sum(p[MOVES.index(m)] for m in best))
+        skill = first_move_skill(model, chat, env, held_out, prefix)
         model.train()
-        return hits / len(probes), mass / len(probes)
+        return skill["top1"], skill["p_best"]
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     steps = args.epochs * math.ceil(len(data) / args.batch)
@@ -118,7 +103,7 @@ def main() -> None:
 
     print(
         f"{len(data)} examples, {sum(len(e.token_ids) for e in data)} tokens, {steps} steps, "
-        f"{len(probes)} held-out first moves",
+        f"{len(held_out)} held-out maps",
         flush=True,
     )
     report(0, None)

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from small_policy import WARM_2_LAYERS
 
 from agentree.advantages import compute_advantages
 from agentree.batching import make_batch, padded_micro_batches
@@ -34,7 +35,7 @@ CASES = {
     "frozenlake_patr": (
         "frozenlake_patr",
         {},
-        ["engine.max_tokens=6", "env.max_turns=4", "rollout.K=2"],
+        [*WARM_2_LAYERS, "engine.max_tokens=6", "env.max_turns=4", "rollout.K=2"],
     ),
     "countdown_latr": (
         None,

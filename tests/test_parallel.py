@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from small_policy import WARM_2_LAYERS
 
 from agentree.config import load_config
 from agentree.trainer import Trainer
 
 SMALL = [
+    *WARM_2_LAYERS,
     "train.tasks_per_step=2",
     "eval.tasks=2",
     "eval.samples=1",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from small_policy import WARM_2_LAYERS
 
 from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from agentree.cli import main
@@ -28,6 +29,7 @@ from agentree.resume import trim_metrics
 STEPS = 3
 ARGS = [
     "train",
+    *[x for o in WARM_2_LAYERS for x in ("--set", o)],
     "--rollout",
     "grpo",
     "--steps",
@@ -152,6 +154,15 @@ def _eval_steps(rows: list[dict]) -> list[int]:
     return [r["step"] for r in rows if "eval/success_rate" in r]
 
 
+@pytest.fixture(scope="module")
+def small_warm(agentree_cache: Path) -> Path:
+    """The runs' policy, built before a run starts: its build would eat the pause deadline."""
+    from agentree.config import load_config
+    from agentree.runtime import resolve_policy
+
+    return Path(resolve_policy(load_config(overrides=WARM_2_LAYERS), lambda _: None))
+
+
 # (signal, where the process is, the step index it is in, the checkpoint --resume must use)
 CASES = [
     (signal.SIGKILL, "rollout", 1, None),  # before the first checkpoint: nothing to resume
@@ -168,7 +179,7 @@ CASES = [
     CASES,
     ids=[f"{signal.Signals(c[0]).name}-{c[1]}" for c in CASES],
 )
-def test_kill_and_resume(tmp_path, tiny_frozenlake, capsys, sig, at, step, resume_from):
+def test_kill_and_resume(tmp_path, small_warm, capsys, sig, at, step, resume_from):
     run, rc, out = _kill_during(tmp_path, at, step, sig)
     if sig == signal.SIGKILL:
         assert rc == -signal.SIGKILL

@@ -11,6 +11,16 @@ expert, so that it answers in format and succeeds only part of the time:
 - Countdown: the exhaustive solver's expression with probability `expert_prob`, otherwise the
   numbers joined by random operators (well-formed, mostly wrong), after a short think block.
 
+With `pretrain_episodes` the build has two phases: the tiny model is first fine-tuned on a
+strong expert (`pretrain_expert_prob`), which teaches it to read the task (where the goal is,
+which moves are shortest), then on the noisy expert, whose behaviour it takes on. The result
+knows the shortest move but samples it only part of the time, the way an instruct model knows
+more than it reliably does; RL has that knowledge to sharpen. (Measured: a 4-layer model
+supervised on 450 batches of the 0.5-expert's demonstrations alone stays at the walker's level,
+while 450 batches of the 0.9-expert's teach it to read the map. `first_move_skill` tells the
+two apart: how often the policy's most likely move is a shortest one, against the probability
+it puts on those moves.)
+
 Builds are cached like `tiny` (content hash of the base policy and the settings).
 The random-valid-move walker, the reference a FrozenLake learning curve is read against, is
 `walker_success`.
@@ -19,6 +29,7 @@ The random-valid-move walker, the reference a FrozenLake learning curve is read 
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,6 +62,16 @@ class WarmConfig(BaseModel):
     """SFT examples per optimiser step."""
     seed: int = 0
     """Seeds the demonstrations and the SFT order."""
+    pretrain_episodes: int = Field(0, ge=0)
+    """Episodes of a strong expert the tiny model is fine-tuned on first, so that it learns to
+    read the task before it imitates the noisy expert (0: no such phase)."""
+    pretrain_expert_prob: float = Field(0.9, ge=0.0, le=1.0)
+    """The strong expert's `expert_prob`: a few random moves take its episodes off the shortest
+    path, so the model also sees the states it will reach by its own mistakes."""
+    pretrain_epochs: int = Field(3, ge=1)
+    """SFT passes over the exact expert's demonstrations."""
+    pretrain_lr: float = Field(3e-3, gt=0.0)
+    """SFT peak learning rate of that first phase."""
 
 
 # -- FrozenLake ----------------------------------------------------------------------------------
@@ -170,6 +191,36 @@ def walker_baseline(cfg: Any) -> float | None:
     return walker_success(env_kwargs, tasks, samples=samples, seed=cfg.seed)
 
 
+def first_move_skill(
+    model: Any, chat: Any, env: Any, tasks: Sequence[Any], prefix: Sequence[int] = ()
+) -> dict[str, float]:
+    """What a FrozenLake policy knows against what it samples, on the first move of `tasks`.
+
+    `top1`: share of maps where the policy's most likely move is a shortest-path move (about
+    0.31 for a policy that knows only which moves stay on the map); `p_best`: the mean
+    probability it puts on shortest-path moves, which is what sampling at temperature 1 gets.
+    Probabilities are over the four move tokens only; `prefix` goes before every prompt.
+    """
+    import torch
+
+    move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
+    hits, mass, n = 0, 0.0, 0
+    with torch.no_grad():
+        for task in tasks:
+            obs, info = env.reset(seed=task.seed, options=task.options)
+            best = shortest_moves(info["desc"], tuple(info["pos"]))
+            if not best:
+                continue
+            ids = [*prefix, *chat.prompt_ids(obs)]
+            ids = torch.tensor([ids], device=next(model.parameters()).device)
+            p = model(input_ids=ids).logits[0, -1].float().softmax(-1)[move_ids]
+            p = p / p.sum()
+            hits += MOVES[int(p.argmax())] in best
+            mass += float(sum(p[MOVES.index(m)] for m in best))
+            n += 1
+    return {"top1": hits / max(n, 1), "p_best": mass / max(n, 1), "maps": n}
+
+
 # -- Countdown -----------------------------------------------------------------------------------
 def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng: random.Random):
     """The noisy solver's response: think block, then the answer in tags."""
@@ -234,21 +285,39 @@ def warm_policy_for_env(
         {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
     )
 
-    def write(tmp: Path) -> None:
+    def phase(start: Path, out: Path, expert: WarmConfig, epochs: int, lr: float) -> None:
         t0 = time.perf_counter()
-        convs = demonstrations(env_name, kwargs, warm)
+        convs = demonstrations(env_name, kwargs, expert)
         env = cls(**kwargs)
         system = env.system_prompt
         env.close()
         sft = SFTConfig(
-            epochs=warm.epochs,
-            lr=warm.lr,
+            epochs=epochs,
+            lr=lr,
             batch_size=warm.batch_size,
             seed=warm.seed,
             dtype="float32",
             device="cpu",
         )
-        run_sft(base, convs, tmp, sft, system=system, log=lambda _: None)
-        log(f"warm {env_name} policy: {len(convs)} demonstrations, {time.perf_counter() - t0:.0f}s")
+        run_sft(start, convs, out, sft, system=system, log=lambda _: None)
+        log(
+            f"warm {env_name} policy: {len(convs)} demonstrations of the expert at "
+            f"{expert.expert_prob}, {time.perf_counter() - t0:.0f}s"
+        )
+
+    def write(tmp: Path) -> None:
+        if not warm.pretrain_episodes:
+            phase(base, tmp, warm, warm.epochs, warm.lr)
+            return
+        strong = warm.model_copy(
+            update={
+                "expert_prob": warm.pretrain_expert_prob,
+                "episodes": warm.pretrain_episodes,
+                "seed": warm.seed + 1,
+            }
+        )
+        phase(base, tmp / "strong-expert", strong, warm.pretrain_epochs, warm.pretrain_lr)
+        phase(tmp / "strong-expert", tmp, warm, warm.epochs, warm.lr)
+        shutil.rmtree(tmp / "strong-expert")
 
     return build_once(cache_root() / "tiny-warm" / key, write)

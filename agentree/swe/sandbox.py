@@ -131,8 +131,7 @@ class Sandbox:
                     continue
                 # Docker reports an exec that met a dying container as the exec's own output
                 if not (
-                    res.returncode == 126
-                    and (_container_stopped(res.output) or self._stopped(api))
+                    res.returncode == 126 and (_container_stopped(res.output) or self._stopped(api))
                 ):
                     return res
                 if attempt < EXEC_ATTEMPTS - 1:
