@@ -299,11 +299,13 @@ def warm_policy_for_env(
             dtype="float32",
             device="cpu",
         )
-        run_sft(start, convs, out, sft, system=system, log=lambda _: None)
+        name = f"warm {env_name} policy"
         log(
-            f"warm {env_name} policy: {len(convs)} demonstrations of the expert at "
-            f"{expert.expert_prob}, {time.perf_counter() - t0:.0f}s"
+            f"{name}: fine-tuning on {len(convs)} demonstrations of the expert at "
+            f"{expert.expert_prob} ({epochs} epochs; built once, then cached)"
         )
+        run_sft(start, convs, out, sft, system=system, log=lambda m: log(f"{name}: {m}"))
+        log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 
     def write(tmp: Path) -> None:
         if not warm.pretrain_episodes:
