@@ -77,7 +77,8 @@ def test_torchrun_launches_the_ranks(tmp_path, tiny_frozenlake):
         f"--master-port={free_port()}", "-m", "agentree", "train", "--config", "frozenlake_patr",
         "--steps", "1", "--output", str(out), *sets,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun's elastic agent keeps its per-rank logs in a temp dir it never removes
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = out / "checkpoints" / "step_000001"
