@@ -250,7 +250,7 @@ def run_sft(
         for s in range(0, len(order), cfg.batch_size):
             batch = [data[i] for i in order[s : s + cfg.batch_size]]
             for g in opt.param_groups:
-                g["lr"] = _lr(cfg.lr, step, steps)
+                g["lr"] = sft_lr(cfg.lr, step, steps)
             loss, n = sft_loss(model, batch, pad, dev)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -307,7 +307,8 @@ def _truncate(e: SFTExample, max_length: int) -> SFTExample:
     return SFTExample(e.token_ids[:max_length], e.loss_mask[:max_length])
 
 
-def _lr(peak: float, step: int, steps: int) -> float:
+def sft_lr(peak: float, step: int, steps: int) -> float:
+    """The SFT schedule: linear warm-up over 5% of `steps`, then cosine down to 10% of `peak`."""
     warm = max(1, steps // 20)
     if step < warm:
         return peak * (step + 1) / warm

@@ -53,8 +53,7 @@ def main() -> None:
     from agentree.envs.frozenlake import FrozenLakeEnv
     from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
     from agentree.models.warm import WarmConfig, demonstrations, first_move_skill
-    from agentree.sft import SFTExample, example_from_messages, sft_loss
-    from agentree.sft import _lr as sft_lr
+    from agentree.sft import SFTExample, example_from_messages, sft_loss, sft_lr
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -98,17 +98,12 @@ def test_warm_policy_knows_more_than_it_samples(warm_runtime) -> None:
     likely first move is a shortest one on most held-out maps, while it samples those moves
     much less often: the knowledge RL sharpens. A policy that knows only the valid moves is at
     about 0.31 on both."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agentree.chat import ChatFormat
     from agentree.models.warm import first_move_skill
 
     cfg, rt = warm_runtime
     assert cfg.policy.warm.pretrain_episodes > 0
-    model = AutoModelForCausalLM.from_pretrained(rt.policy_path).eval()
-    chat = ChatFormat(AutoTokenizer.from_pretrained(rt.policy_path))
     env = FrozenLakeEnv(**rt.env_kwargs)
-    skill = first_move_skill(model, chat, env, FrozenLakeEnv.load_tasks(100, split="eval"))
+    skill = first_move_skill(rt.model, rt.chat, env, FrozenLakeEnv.load_tasks(100, split="eval"))
     assert skill["maps"] >= 90
     assert skill["top1"] >= 0.5, skill
     assert skill["p_best"] <= skill["top1"] - 0.1, skill

@@ -69,7 +69,7 @@ class WarmConfig(BaseModel):
     """The strong expert's `expert_prob`: a few random moves take its episodes off the shortest
     path, so the model also sees the states it will reach by its own mistakes."""
     pretrain_epochs: int = Field(3, ge=1)
-    """SFT passes over the exact expert's demonstrations."""
+    """SFT passes over the strong expert's demonstrations."""
     pretrain_lr: float = Field(3e-3, gt=0.0)
     """SFT peak learning rate of that first phase."""
 
@@ -285,12 +285,11 @@ def warm_policy_for_env(
         {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
     )
 
-    def phase(start: Path, out: Path, expert: WarmConfig, epochs: int, lr: float) -> None:
+    def phase(
+        start: Path, out: Path, expert: WarmConfig, epochs: int, lr: float, system: str
+    ) -> None:
         t0 = time.perf_counter()
         convs = demonstrations(env_name, kwargs, expert)
-        env = cls(**kwargs)
-        system = env.system_prompt
-        env.close()
         sft = SFTConfig(
             epochs=epochs,
             lr=lr,
@@ -308,8 +307,11 @@ def warm_policy_for_env(
         log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 
     def write(tmp: Path) -> None:
+        env = cls(**kwargs)
+        system = env.system_prompt
+        env.close()
         if not warm.pretrain_episodes:
-            phase(base, tmp, warm, warm.epochs, warm.lr)
+            phase(base, tmp, warm, warm.epochs, warm.lr, system)
             return
         strong = warm.model_copy(
             update={
@@ -318,8 +320,9 @@ def warm_policy_for_env(
                 "seed": warm.seed + 1,
             }
         )
-        phase(base, tmp / "strong-expert", strong, warm.pretrain_epochs, warm.pretrain_lr)
-        phase(tmp / "strong-expert", tmp, warm, warm.epochs, warm.lr)
-        shutil.rmtree(tmp / "strong-expert")
+        first = tmp / "strong-expert"
+        phase(base, first, strong, warm.pretrain_epochs, warm.pretrain_lr, system)
+        phase(first, tmp, warm, warm.epochs, warm.lr, system)
+        shutil.rmtree(first)
 
     return build_once(cache_root() / "tiny-warm" / key, write)
