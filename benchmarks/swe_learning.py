@@ -59,7 +59,7 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
         f"seed={seed}",
         f"eval.tasks={heldout}",
         f"eval.samples={args.samples}",
-        "train.eval_every=1",
+        f"train.eval_every={args.eval_every}",
         "train.tasks_per_step=1",
         "train.trees_every=1",
         f"env.step_limit={args.step_limit}",
@@ -128,9 +128,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=2, help="optimiser steps per run")
     ap.add_argument("--scorer", default="heuristic", help="process scorer (heuristic, prm, ...)")
+    ap.add_argument("--eval-every", type=int, default=1, help="held-out evaluation interval")
     ap.add_argument("--heldout-n", type=int, default=8, help="held-out tasks evaluated")
     ap.add_argument("--samples", type=int, default=1, help="held-out samples per task")
-    ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--step-limit", type=int, default=12, help="actions per episode")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--parallel", action="store_true", help="run all (rollout, seed) at once")

@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--policy", required=True, help="the warm SWE policy directory")
     ap.add_argument("--n", type=int, default=0, help="first N tasks only (0: all)")
     ap.add_argument("--samples", type=int, default=2, help="samples per task (pass@k)")
-    ap.add_argument("--step-limit", type=int, default=6, help="actions per episode")
+    ap.add_argument("--step-limit", type=int, default=12, help="actions per episode")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--offline", type=int, default=0, help="also the offline rate on N tasks")

@@ -18,9 +18,23 @@ def test_one_line_fix_is_a_sed_on_that_line():
     buggy = FIXED.replace("n < 0", "n <= 0")
     action = expert.fix_action("pkg/m.py", buggy, FIXED)
     (command,) = parse_commands(action)
-    assert command == "sed -i '2s/<=/</' pkg/m.py"
+    assert command == "sed -i '2s|<=|<|' pkg/m.py"
     assert expert.check_edit(command, buggy, FIXED)
     assert not expert.check_edit(command, FIXED, buggy)
+
+
+def test_sed_delimiter_avoids_the_characters_of_the_line():
+    fixed, buggy = "x = a / 2 | b\n", "x = a / 20 | b\n"
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
+    assert command.startswith("python3 - <<'EOF'")  # both delimiters occur: python edit
+    fixed, buggy = "x = a | b\n", "x = a & b\n"
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
+    assert command == "sed -i '1s/&/|/' m.py"
+    assert expert.check_edit(command, buggy, fixed)
+    fixed, buggy = "x = a / 2\n", "x = a * 2\n"
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
+    assert command == "sed -i '1s|\\*|/|' m.py"
+    assert expert.check_edit(command, buggy, fixed)
 
 
 def test_sed_targets_the_first_match_only_when_it_is_the_bug():
@@ -28,7 +42,7 @@ def test_sed_targets_the_first_match_only_when_it_is_the_bug():
     fixed = "x = [2, 1, 3]\n"
     buggy = "x = [2, 2, 3]\n"
     (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
-    assert command == "sed -i '1s/ 2,/ 1,/' m.py"
+    assert command == "sed -i '1s| 2,| 1,|' m.py"
     assert expert.check_edit(command, buggy, fixed)
 
 
@@ -65,32 +79,70 @@ def test_every_path_and_line_number_is_copied_from_an_earlier_observation():
                 seen += conv[k + 1]["content"]
 
 
-def test_noisy_expert_aims_some_edits_at_a_neighbouring_line():
-    records = [
-        r
-        for r in _records(["durations", "roman", "semver"], 40)
-        if not r["mutation"]["kind"].startswith("drop")
-    ]
-    clean = expert.conversations(records, per_task=1, noise=0.0)
-    noisy = expert.conversations(records, per_task=1, noise=0.5, seed=1)
-    edits = [(c[5]["content"], n[5]["content"]) for c, n in zip(clean, noisy, strict=True)]
-    wrong = [n for c, n in edits if c != n]
-    assert 0.25 * len(edits) < len(wrong) < 0.75 * len(edits)
-    for conv in noisy:
-        if conv[5]["content"] in wrong:  # the tests fail after a wrong edit, and it says so
-            assert "1 failed" in conv[8]["content"] and "<returncode>1<" in conv[8]["content"]
+def test_renamed_copies_make_up_every_repository_name_and_keep_the_edits_true():
+    import random
+    import re
+
+    records = _records(["durations", "roman"], 8)
+    convs = expert.conversations(records, per_task=1, renamed_copies=2)
+    assert len(convs) == 3 * len(records)
+    names = expert.repo_names("agentree-local/roman")
+    assert "to_roman" in names and "self" not in names and "tests" not in names
+    words = set(re.findall(r"\w+", " ".join(expert.template_pieces(0))))
+    assert not words & set(names)  # the prompt scaffold keeps its words
+    for k, record in enumerate(records):
+        original, copies = convs[3 * k], convs[3 * k + 1 : 3 * k + 3]
+        assert copies[0] != copies[1] != original
+        repo = expert.repo_names(record["repo"])
+        for copy in copies:
+            assert [m["role"] for m in copy] == [m["role"] for m in original]
+            for a, b in zip(original, copy, strict=True):
+                assert a["content"].count("\n") == b["content"].count("\n")
+            text = " ".join(m["content"] for m in copy)
+            assert not set(re.findall(r"\w+", text)) & set(repo)
+    # the same table applied to the files keeps the edit exact
+    record = records[0]
+    buggy, fixed = expert._files(record)
+    (command,) = parse_commands(expert.fix_action(record["mutation"]["file"], buggy, fixed))
+    table = expert.rename_table(expert.repo_names(record["repo"]), random.Random(3))
+    assert expert.apply_renames(buggy, table) != buggy
+    args = (expert.apply_renames(x, table) for x in (command, buggy, fixed))
+    assert expert.check_edit(*args)
+
+
+def test_expert_tries_wrong_edits_undoes_them_and_sometimes_gives_up():
+    records = _records(["durations", "roman", "semver"], 40)
+    convs = expert.conversations(records, per_task=1, tries=3, seed=1)
+    commands = [[parse_commands(m["content"])[0] for m in c[1::2]] for c in convs]
+    fixes = [parse_commands(c[5]["content"])[0] for c in expert.conversations(records)]
+    edits = [[c for c in cmds if c.startswith(("sed -i", "python3 - "))] for cmds in commands]
+    given_up = [e[-1] != fix for e, fix in zip(edits, fixes, strict=True)]
+    assert 0.1 * len(convs) < sum(given_up) < 0.4 * len(convs)  # 1 in 4 expected
+    assert sum(len(e) > 1 for e in edits) > 0.3 * len(convs)
+    for conv, cmds, e, fix, gave_up in zip(convs, commands, edits, fixes, given_up, strict=True):
+        assert len(e) <= 3 and e.count(fix) == (0 if gave_up else 1)
+        obs = [m["content"] for m in conv[2::2]]
+        for k, c in enumerate(cmds[:-1]):
+            if c in e[:-1] or (gave_up and c == e[-1]):  # a miss: tested, fails, undone
+                assert c.startswith("sed -i") and c != fix
+                assert cmds[k + 1] == expert.TEST_RUN and " failed, " in obs[k + 1]
+                if k + 2 < len(cmds) - 1:
+                    assert cmds[k + 2].startswith("git checkout -q -- ")
+        assert cmds[-2] == expert.TEST_RUN and cmds[-1] == f"echo {SENTINEL}"
+        assert ("failed" in obs[-1]) == gave_up
 
 
 def test_expert_trajectories_replay_in_docker_and_resolve():
     require_docker()
-    records, _ = generate.generate(2, seed=5, slugs=["intervals"], heldout=0.0)
+    # a dropped return (python edit) and an off-by-one (sed), each with a wrong edit to try
+    records, _ = generate.generate(2, seed=1, slugs=["intervals"], heldout=0.0)
     convs = [expert.trajectory(r) for r in records]
     assert all(c is not None for c in convs)
     first = convs[0]
     assert [m["role"] for m in first] == ["user"] + ["assistant", "user"] * 4 + ["assistant"]
     assert parse_commands(first[-1]["content"]) == [f"echo {SENTINEL}"]
-    policy = expert.expert_policy(records)
-    env = SWEEnv(step_limit=6, prewarm=0)
+    policy = expert.expert_policy(records, misses=1)  # a wrong edit, tested and undone first
+    env = SWEEnv(step_limit=9, prewarm=0)
     try:
         for rec in records:
             task = SWEEnv.task_from_record(rec)
@@ -105,12 +157,14 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
                 history.append((action, obs))
                 done = term or trunc
             assert reward == 1.0, info["grading"]["reason"]
-            # the expert's grep and `cat -n` observations are exactly what the container printed
-            conv = expert.trajectory(rec)
-            assert conv is not None
-            assert [conv[2]["content"], conv[4]["content"]] == outputs[:2]
+            # grep, cat, miss, tests, undo, fix, tests, submit: the expert's grep, `cat -n` and
+            # undo observations are exactly what the container printed
+            conv = expert.trajectory(rec, misses=1)
+            assert conv is not None and len(outputs) == len(conv) // 2 == 8
+            assert [conv[k]["content"] for k in (2, 4, 10)] == [outputs[k] for k in (0, 1, 4)]
+            assert " failed, " in outputs[3] and "<returncode>0<" in outputs[3]
             tests = len(json.loads(rec["FAIL_TO_PASS"])) + len(json.loads(rec["PASS_TO_PASS"]))
-            assert f"{tests} passed" in outputs[3]
+            assert f"{tests} passed" in outputs[6]
     finally:
         env.close()
     assert_no_leftovers(allow_spares=True)
@@ -152,3 +206,21 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     assert rate >= 0.7
     # built once: a second call with the same tasks and settings reuses the directory
     assert expert.warm_policy(records, cfg, out_dir=path) == path
+
+
+def test_warm_command_writes_trajectories_for_another_model(tmp_path, capsys):
+    from agentree.swe.cli import main
+
+    records = _records(["durations", "roman"], 6)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "expert.jsonl"
+    assert main(["swe", "warm", "--tasks", str(tasks), "--no-build"]) == 2
+    assert "--no-build needs --trajectories" in capsys.readouterr().err
+    args = ["swe", "warm", "--tasks", str(tasks), "--trajectories", str(out), "--no-build"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 6 * 4  # one trajectory per task and its three renamed copies
+    assert "wrote 24 trajectories" in capsys.readouterr().out
+    assert all(r["messages"][-1]["content"] == expert.SUBMIT_ACTION for r in rows)
+    assert not list(tmp_path.glob("**/config.json"))  # nothing built

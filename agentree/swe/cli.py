@@ -68,6 +68,11 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
     warm.add_argument("--tasks", required=True, help="generated tasks (the train split JSONL)")
     warm.add_argument("--output", help="policy directory (default: the cache)")
     warm.add_argument("--trajectories", help="also write the chat JSONL for `agentree sft`")
+    warm.add_argument(
+        "--no-build",
+        action="store_true",
+        help="only write --trajectories (to fine-tune another model with `agentree sft`)",
+    )
     warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
     warm.add_argument("--seed", type=int, default=0, help="weights and example order")
     warm.set_defaults(func=warm_command)
@@ -187,10 +192,15 @@ def warm_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if args.trajectories:
-        written, skipped = expert.write_trajectories(records, Path(args.trajectories))
-        print(f"wrote {written} trajectories to {args.trajectories} ({skipped} skipped)")
+    if args.no_build and not args.trajectories:
+        print("error: --no-build needs --trajectories FILE", file=sys.stderr)
+        return 2
     cfg = expert.WarmConfig(seed=args.seed, **({"epochs": args.epochs} if args.epochs else {}))
+    if args.trajectories:
+        written, skipped = expert.write_trajectories(records, Path(args.trajectories), cfg)
+        print(f"wrote {written} trajectories to {args.trajectories} ({skipped} tasks skipped)")
+        if args.no_build:
+            return 0
     out = Path(args.output) if args.output else None
     try:
         path = expert.warm_policy(records, cfg, out_dir=out, log=_say)

@@ -4,17 +4,21 @@ The expert works the way a mini-swe-agent run on these tasks does, one bash comm
 every command takes its arguments from text shown earlier in the conversation, so a small model
 can learn it as copying rather than memorising repositories: grep the definition around the bug
 (its name is in the failing tests' output), show 24 numbered lines from the line grep printed
-(`cat -n PATH | tail -n +N | head -n 24`), edit the faulty line with `sed -i 'Ns/old/new/'`
+(`cat -n PATH | tail -n +N | head -n 24`), edit the faulty line with `sed -i 'Ns|old|new|'`
 using a line number from that listing (a short python script when lines were dropped), run the
-tests, submit. A share of the one-line edits (`WarmConfig.noise`) is aimed at a neighbouring
-line on purpose: the tests then fail and the expert submits anyway, so the policy resolves some
-tasks but not most, and RL has something to learn.
+tests, submit. Like a weak agent it searches: before the fix it may try wrong one-line edits
+(other injected-bug mutations of the listed lines), see the tests still fail and undo each
+with `git checkout`, and some trajectories give up after `WarmConfig.tries` edits and submit
+unresolved, so the policy resolves some tasks but not most and RL has something to learn.
+`renamed` copies make the repositories' identifiers up anew, so names and paths are copied from
+the conversation rather than recalled.
 
 Observations are computed from the task's files rather than recorded from a container: grep's
 matches, the numbered listing and an edit's empty output are exact; the test run is shown as
-pytest's summary line. `check_edit` replays every edit command's effect in Python and drops a
-trajectory whose edit would not reproduce the fixed file, and the tests replay whole
-trajectories in Docker through `SWEEnv`, graded.
+pytest's summary line (after a wrong edit, with the task's failing tests: one that breaks more
+tests shows fewer failures than the container would). `check_edit` replays every edit
+command's effect in Python and drops a trajectory whose edit would not reproduce the fixed
+file, and the tests replay whole trajectories in Docker through `SWEEnv`, graded.
 
 `warm_policy` builds (once, cached by content) a tokenizer trained on the trajectories with the
 command vocabulary and the literal text of the prompt templates as single tokens, a Qwen2 model
@@ -90,7 +94,8 @@ def _lines(text: str) -> list[str]:
 
 
 def fix_action(path: str, buggy: str, fixed: str) -> str:
-    """A command that turns `buggy` into `fixed` (sed for a one-line change, python otherwise)."""
+    """A command that turns `buggy` into `fixed`: sed for a one-line change (`s|old|new|`, or
+    `s/old/new/` when the line holds a `|`), python otherwise."""
     a, b = _lines(buggy), _lines(fixed)
     ops = [op for op in difflib.SequenceMatcher(a=a, b=b).get_opcodes() if op[0] != "equal"]
     if (
@@ -101,18 +106,19 @@ def fix_action(path: str, buggy: str, fixed: str) -> str:
         _, i, _, j, _ = ops[0]
         old, new = a[i].rstrip("\n"), b[j].rstrip("\n")
         lo, hi = _core(old, new)
-        if "/" not in old + new and "'" not in old[lo:] + new[lo:]:
+        sep = next((c for c in "|/" if c not in old + new), None)
+        if sep and "'" not in old[lo:] + new[lo:]:
             pat = _sed_escape(old[lo : len(old) - hi])
             rep = new[lo : len(new) - hi].replace("\\", "\\\\").replace("&", "\\&")
-            thought = f"line {i + 1} of {path} is wrong; fix it."
-            return _action(thought, f"sed -i '{i + 1}s/{pat}/{rep}/' {path}")
+            command = f"sed -i '{i + 1}s{sep}{pat}{sep}{rep}{sep}' {path}"
+            return _action("fix the faulty line.", command)
     old_text, new_text = _hunk(a, b, ops)
     script = (
         "python3 - <<'EOF'\nimport pathlib\n"
         f"p = pathlib.Path({path!r})\n"
         f"p.write_text(p.read_text().replace({old_text!r}, {new_text!r}, 1))\nEOF"
     )
-    return _action(f"restore the missing logic in {path}.", script)
+    return _action("restore the missing logic.", script)
 
 
 def _core(old: str, new: str) -> tuple[int, int]:
@@ -153,9 +159,10 @@ def _action(thought: str, command: str) -> str:
 
 def check_edit(command: str, buggy: str, fixed: str) -> bool:
     """Replay an edit command's effect in Python: does it turn `buggy` into `fixed`?"""
-    m = re.fullmatch(r"sed -i '(\d+)s/((?:[^/\\]|\\.)*)/((?:[^/\\]|\\.)*)/' \S+", command)
+    part = r"((?:(?!\2)[^\\]|\\.)*)"
+    m = re.fullmatch(rf"sed -i '(\d+)s([/|]){part}\2{part}\2' \S+", command)
     if m:
-        n, pat, rep = int(m.group(1)), m.group(2), m.group(3)
+        n, pat, rep = int(m.group(1)), m.group(3), m.group(4)
         lines = _lines(buggy)
         body = lines[n - 1].rstrip("\n")
         rep_py = rep.replace("\\&", "\0").replace("\\\\", "\\").replace("\0", "&")
@@ -251,25 +258,39 @@ def _window(buggy: str, start: int, line: int) -> tuple[int, str]:
     return first, "".join(f"{i:6d}\t{text}" for i, text in enumerate(shown, first))
 
 
-def _wrong_line(command: str, line: int, first: int, n_lines: int, rng: random.Random) -> str:
-    """The same sed edit aimed at a neighbouring line (the expert's deliberate mistake)."""
-    choices = [k for k in range(max(first, line - 3), min(n_lines, line + 3) + 1) if k != line]
-    return re.sub(r"^sed -i '\d+s", f"sed -i '{rng.choice(choices)}s", command)
+def _misses(
+    path: str, buggy: str, fixed: str, window: range, n: int, rng: random.Random
+) -> list[str]:
+    """`n` wrong one-line edits on lines of `window`: injected-bug mutations of the buggy file
+    (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites."""
+    from agentree.swe.mutate import mutations
+
+    out = []
+    for m in mutations(path, buggy):
+        if m.source == fixed or m.line not in window or m.kind.startswith("drop"):
+            continue
+        action = fix_action(path, buggy, m.source)
+        if action.split("```bash\n", 1)[1].startswith("sed -i"):
+            out.append(action)
+    rng.shuffle(out)
+    return out[:n]
 
 
 def trajectory(
     record: dict[str, Any],
     step_limit: int = 50,
     *,
-    noise: float = 0.0,
+    misses: int = 0,
+    give_up: bool = False,
     rng: random.Random | None = None,
 ) -> list[dict[str, str]] | None:
     """The expert's conversation on a generated task (None when its edit cannot be checked).
 
     grep for the definition around the bug, show it (`cat -n | tail | head`), edit, run the
     tests, submit: each command's path and line numbers appear in an earlier observation.
-    With probability `noise` a one-line edit is aimed at a neighbouring line instead (the tests
-    then fail and the expert submits anyway), so the policy resolves some tasks but not all.
+    Before the fix come `misses` wrong one-line edits on lines of the listing, each tested
+    (the tests fail) and undone with `git checkout`; with `give_up` the expert submits after
+    them without fixing anything, so the policy resolves some tasks but not all.
     """
     rng = rng or random.Random(0)
     path = _source_file(record)
@@ -283,11 +304,6 @@ def trajectory(
     first, shown = _window(buggy, start, line)
     f2p = json.loads(record["FAIL_TO_PASS"])
     tests = len(f2p) + len(json.loads(record["PASS_TO_PASS"]))
-    wrong = command.startswith("sed -i") and rng.random() < noise
-    if wrong:
-        bad = _wrong_line(command, line, first, len(_lines(buggy)), rng)
-        n = bad.split("'", 2)[1].split("s", 1)[0]
-        edit = _action(f"line {n} of {path} is wrong; fix it.", bad)
     hits = _grep(record, buggy, anchor)
     first_prompt = render(
         "swe/instance.txt",
@@ -298,23 +314,30 @@ def trajectory(
     )
     quoted = anchor.replace('"', '\\"')
     steps = [
-        (_action(f"find `{anchor}`.", f'{GREP}{quoted}" *'), hits),
-        (_action(f"read {path} from line {first}.", _show(path, first)), shown),
-        (edit, ""),
-        (_action("run the tests again.", TEST_RUN), _pytest_tail(tests, f2p if wrong else [])),
+        (_action("find the definition.", f'{GREP}{quoted}" *'), hits),
+        (_action("read the code around it.", _show(path, first)), shown),
     ]
+    window = range(first, first + WINDOW)
+    wrong = _misses(path, buggy, fixed, window, misses, rng) if misses else []
+    for k, miss in enumerate(wrong):
+        steps += [(miss, ""), (_action("run the tests again.", TEST_RUN), _pytest_tail(tests, f2p))]
+        if k + 1 < len(wrong) or not give_up:
+            steps.append((_action("the tests still fail; undo the edit.", _undo(path)), ""))
+    if not (give_up and wrong):
+        steps += [(edit, ""), (_action("run the tests again.", TEST_RUN), _pytest_tail(tests))]
     msgs = [{"role": "user", "content": first_prompt}]
     for action, output in steps:
         msgs.append({"role": "assistant", "content": action})
-        code = 1 if output.startswith("FAILED") else 0
+        # every command exits 0: grep matches, and a test run's status is `tail`'s
         msgs.append(
-            {
-                "role": "user",
-                "content": render("swe/observation.txt", returncode=code, output=output),
-            }
+            {"role": "user", "content": render("swe/observation.txt", returncode=0, output=output)}
         )
     msgs.append({"role": "assistant", "content": SUBMIT_ACTION})
     return msgs
+
+
+def _undo(path: str) -> str:
+    return f"git checkout -q -- {path}"
 
 
 def _grep(record: dict[str, Any], buggy: str, anchor: str) -> str:
@@ -344,16 +367,122 @@ def _pytest_tail(tests: int, failing: Sequence[str] = ()) -> str:
     return f"{'.' * tests}{'[100%]':>{80 - tests}}\n{tests} passed in 0.05s\n"
 
 
+# -- renamed copies --------------------------------------------------------------------------
+SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+"""Pieces of made-up identifiers (70 of them: a small model learns to copy them, not know them)."""
+
+
+def repo_names(repo: str) -> list[str]:
+    """The identifiers a repository defines (modules, packages, functions, classes, their
+    parameters and module-level names) that a renamed copy of its conversations replaces.
+
+    Python's keywords and builtins, the methods of builtin types (a repository's `get` would
+    otherwise rename `dict.get` too) and every word of the prompt templates and the expert's
+    commands are kept, so the scaffold around the names stays what the policy sees in use.
+    """
+    import ast
+    import builtins
+    import keyword
+
+    from agentree.swe.generate import fixed_files
+
+    keep = set(keyword.kwlist) | set(dir(builtins))
+    keep |= {n for t in (str, list, dict, set, tuple, int, float, bytes) for n in dir(t)}
+    keep |= {"self", "cls"}
+    scaffold = " ".join([*ATOMIC, *template_pieces(0), TEST_RUN, THOUGHTS, SUBMIT_ACTION])
+    keep |= set(re.findall(r"\w+", scaffold))
+    names: set[str] = set()
+    for path, data in fixed_files(repo.split("/", 1)[1]).items():
+        if not path.endswith(".py"):
+            continue
+        names.update(Path(path).with_suffix("").parts)
+        for node in ast.walk(ast.parse(data.decode())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return sorted(n for n in names if len(n) >= 3 and n not in keep and not n.startswith("__"))
+
+
+THOUGHTS = (
+    "find the definition read code around it fix faulty line restore missing logic run tests "
+    "again still fail undo edit"
+)
+"""The words of the expert's THOUGHT lines (kept by renaming). The thoughts are fixed phrases:
+names and numbers appear once, in the command, so a weak policy has less text to garble before
+its bash block."""
+
+
+def made_up_name(name: str, rng: random.Random) -> str:
+    """A made-up identifier of the same shape as `name` (snake_case parts, CamelCase, case)."""
+
+    def word() -> str:
+        return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
+
+    if name[:1].isupper() and not name.isupper():
+        parts = re.findall(r"[A-Z][a-z0-9]*", name) or [name]
+        return "".join(word().capitalize() for _ in parts)
+    parts = name.strip("_").split("_")
+    out = "_".join(word() for _ in parts)
+    out = "_" * (len(name) - len(name.lstrip("_"))) + out
+    return out.upper() if name.isupper() else out
+
+
+def rename_table(names: Sequence[str], rng: random.Random) -> dict[str, str]:
+    """A made-up identifier for each of `names`, all distinct and none a name of the repo."""
+    table: dict[str, str] = {}
+    taken = set(names)
+    for n in names:
+        new = made_up_name(n, rng)
+        while new in taken:
+            new = made_up_name(n, rng)
+        taken.add(new)
+        table[n] = new
+    return table
+
+
+def apply_renames(text: str, table: dict[str, str]) -> str:
+    """`text` with each key of `table` replaced wherever it stands as a whole word."""
+    if not table:
+        return text
+    pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, table)) + r")(?!\w)")
+    return pattern.sub(lambda g: table[g.group(1)], text)
+
+
+def renamed(
+    conv: list[dict[str, str]], names: Sequence[str], rng: random.Random
+) -> list[dict[str, str]]:
+    """The conversation with the repository's `names` made up anew, consistently in the problem
+    statement, the outputs and the commands (every edit still applies to the listing shown)."""
+    table = rename_table(names, rng)
+    return [{**m, "content": apply_renames(m["content"], table)} for m in conv]
+
+
 def conversations(
-    records: Sequence[dict[str, Any]], per_task: int = 1, noise: float = 0.0, seed: int = 0
+    records: Sequence[dict[str, Any]],
+    per_task: int = 1,
+    tries: int = 1,
+    seed: int = 0,
+    renamed_copies: int = 0,
 ) -> list[list[dict[str, str]]]:
-    """`per_task` expert conversations per record, each with its own draw of the noise."""
+    """`per_task` expert conversations per record, plus `renamed_copies` of each with the
+    repository's identifiers made up anew (`renamed`).
+
+    Each conversation draws how many wrong edits come first, uniformly from 0 to `tries`: at
+    `tries` the expert gives up after them and submits (so `tries` = 1 never misses).
+    """
     rng = random.Random(seed)
+    names = {r["repo"]: repo_names(r["repo"]) for r in records} if renamed_copies else {}
     out = []
     for r in records:
         for _ in range(per_task):
-            if (t := trajectory(r, noise=noise, rng=rng)) is not None:
+            m = rng.randint(0, tries) if tries > 1 else 0
+            t = trajectory(r, misses=m, give_up=m == tries, rng=rng)
+            if t is not None:
                 out.append(t)
+                out += [renamed(t, names[r["repo"]], rng) for _ in range(renamed_copies)]
     return out
 
 
@@ -363,19 +492,19 @@ def write_trajectories(
     """Chat JSONL of the expert on `records` (as `warm_policy` sees them); returns (written,
     tasks skipped)."""
     cfg = cfg or WarmConfig()
-    rows = conversations(records, cfg.per_task, cfg.noise, cfg.seed)
+    rows = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies)
     output.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    return len(rows), len(records) - len(rows) // cfg.per_task
+    return len(rows), len(records) - len(rows) // (cfg.per_task * (1 + cfg.renamed_copies))
 
 
 def expert_policy(
-    records: Sequence[dict[str, Any]],
+    records: Sequence[dict[str, Any]], misses: int = 0
 ) -> Callable[[Any, Sequence[tuple[str, str]]], str]:
     """A scripted policy replaying the expert's actions (for checking them in Docker)."""
     by_id = {r["instance_id"]: r for r in records}
 
     def act(task: Any, history: Sequence[tuple[str, str]]) -> str:
-        msgs = trajectory(by_id[task.id]) or []
+        msgs = trajectory(by_id[task.id], misses=misses) or []
         actions = [m["content"] for m in msgs if m["role"] == "assistant"]
         return actions[min(len(history), len(actions) - 1)]
 
@@ -401,19 +530,24 @@ class WarmConfig(BaseModel):
     )
     """Tokenizer and model shape: a BPE vocabulary trained on the trajectories (keeps
     identifiers and operators whole) and a model wider and deeper than the default tiny one."""
-    per_task: int = Field(2, ge=1)
-    """Expert trajectories per task, each with its own draw of the noise."""
-    noise: float = Field(0.3, ge=0.0, le=1.0)
-    """Share of one-line edits the expert aims at a neighbouring line (unresolved episodes, so
-    the policy resolves some tasks but not most and RL has something to learn)."""
-    max_trajectories: int = Field(352, ge=1)
+    per_task: int = Field(1, ge=1)
+    """Expert trajectories per task, each with its own draw of wrong edits."""
+    tries: int = Field(3, ge=1)
+    """Most edits the expert tries on a task (`conversations`): wrong ones are tested and
+    undone, and a quarter of the trajectories (at 3) give up and submit unresolved, so the
+    policy learns to search by editing and testing, and RL has something to learn."""
+    renamed_copies: int = Field(3, ge=0)
+    """Copies of each expert conversation with the repository's identifiers made up anew
+    (`renamed`): held-out files name functions the policy never saw, so it has to copy names
+    from the conversation rather than recall them."""
+    max_trajectories: int = Field(1000, ge=1)
     """Expert trajectories fine-tuned on (a seeded sample of them; a CPU-time budget)."""
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(3, ge=1)
     """Passes over the expert trajectories."""
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(3e-3, gt=0)
     """Peak learning rate (a randomly initialised model needs a large one)."""
-    batch_size: int = Field(2, ge=1)
-    """Trajectories per optimiser step (small: on CPU, updates are what the budget buys)."""
+    batch_size: int = Field(4, ge=1)
+    """Trajectories per optimiser step."""
     seed: int = 0
     """Seed of the weights and the example order."""
 
@@ -436,12 +570,12 @@ def warm_policy(
     from agentree.sft import SFTConfig, run_sft
 
     cfg = cfg or WarmConfig()
-    convs = conversations(records, cfg.per_task, cfg.noise, cfg.seed)
+    convs = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies)
     if not convs:
         raise ValueError("no expert trajectory could be made from these tasks")
     if len(convs) > cfg.max_trajectories:
         convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
-    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 2})
+    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 3})
     target = out_dir or cache_root() / "swe-warm" / key
     if (target / "config.json").exists():
         return target
