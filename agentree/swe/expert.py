@@ -43,6 +43,16 @@ from agentree.prompts import render
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
 GREP = 'grep -rnF --include=*.py --exclude-dir=tests "'
+THOUGHTS = {
+    "grep": "find the definition.",
+    "show": "read the code around it.",
+    "sed": "fix the faulty line.",
+    "python": "restore the missing logic.",
+    "test": "run the tests again.",
+    "undo": "the tests still fail; undo the edit.",
+}
+"""The expert's THOUGHT lines: fixed phrases, so names and numbers appear once, in the command,
+and a weak policy has less text to garble before its bash block (renaming keeps their words)."""
 WINDOW = 24
 """Lines of a file the expert shows at once (short observations, as mini-swe-agent keeps them)."""
 ATOMIC = (
@@ -111,14 +121,14 @@ def fix_action(path: str, buggy: str, fixed: str) -> str:
             pat = _sed_escape(old[lo : len(old) - hi])
             rep = new[lo : len(new) - hi].replace("\\", "\\\\").replace("&", "\\&")
             command = f"sed -i '{i + 1}s{sep}{pat}{sep}{rep}{sep}' {path}"
-            return _action("fix the faulty line.", command)
+            return _action(THOUGHTS["sed"], command)
     old_text, new_text = _hunk(a, b, ops)
     script = (
         "python3 - <<'EOF'\nimport pathlib\n"
         f"p = pathlib.Path({path!r})\n"
         f"p.write_text(p.read_text().replace({old_text!r}, {new_text!r}, 1))\nEOF"
     )
-    return _action("restore the missing logic.", script)
+    return _action(THOUGHTS["python"], script)
 
 
 def _core(old: str, new: str) -> tuple[int, int]:
@@ -263,6 +273,7 @@ def _misses(
 ) -> list[str]:
     """`n` wrong one-line edits on lines of `window`: injected-bug mutations of the buggy file
     (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites."""
+    from agentree.envs.swe import parse_commands
     from agentree.swe.mutate import mutations
 
     out = []
@@ -270,7 +281,7 @@ def _misses(
         if m.source == fixed or m.line not in window or m.kind.startswith("drop"):
             continue
         action = fix_action(path, buggy, m.source)
-        if action.split("```bash\n", 1)[1].startswith("sed -i"):
+        if parse_commands(action)[0].startswith("sed -i"):
             out.append(action)
     rng.shuffle(out)
     return out[:n]
@@ -314,17 +325,17 @@ def trajectory(
     )
     quoted = anchor.replace('"', '\\"')
     steps = [
-        (_action("find the definition.", f'{GREP}{quoted}" *'), hits),
-        (_action("read the code around it.", _show(path, first)), shown),
+        (_action(THOUGHTS["grep"], f'{GREP}{quoted}" *'), hits),
+        (_action(THOUGHTS["show"], _show(path, first)), shown),
     ]
     window = range(first, first + WINDOW)
     wrong = _misses(path, buggy, fixed, window, misses, rng) if misses else []
     for k, miss in enumerate(wrong):
-        steps += [(miss, ""), (_action("run the tests again.", TEST_RUN), _pytest_tail(tests, f2p))]
+        steps += [(miss, ""), (_action(THOUGHTS["test"], TEST_RUN), _pytest_tail(tests, f2p))]
         if k + 1 < len(wrong) or not give_up:
-            steps.append((_action("the tests still fail; undo the edit.", _undo(path)), ""))
+            steps.append((_action(THOUGHTS["undo"], _undo(path)), ""))
     if not (give_up and wrong):
-        steps += [(edit, ""), (_action("run the tests again.", TEST_RUN), _pytest_tail(tests))]
+        steps += [(edit, ""), (_action(THOUGHTS["test"], TEST_RUN), _pytest_tail(tests))]
     msgs = [{"role": "user", "content": first_prompt}]
     for action, output in steps:
         msgs.append({"role": "assistant", "content": action})
@@ -389,7 +400,7 @@ def repo_names(repo: str) -> list[str]:
     keep = set(keyword.kwlist) | set(dir(builtins))
     keep |= {n for t in (str, list, dict, set, tuple, int, float, bytes) for n in dir(t)}
     keep |= {"self", "cls"}
-    scaffold = " ".join([*ATOMIC, *template_pieces(0), TEST_RUN, THOUGHTS, SUBMIT_ACTION])
+    scaffold = " ".join([*ATOMIC, *template_pieces(0), TEST_RUN, *THOUGHTS.values(), SUBMIT_ACTION])
     keep |= set(re.findall(r"\w+", scaffold))
     names: set[str] = set()
     for path, data in fixed_files(repo.split("/", 1)[1]).items():
@@ -404,15 +415,6 @@ def repo_names(repo: str) -> list[str]:
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
     return sorted(n for n in names if len(n) >= 3 and n not in keep and not n.startswith("__"))
-
-
-THOUGHTS = (
-    "find the definition read code around it fix faulty line restore missing logic run tests "
-    "again still fail undo edit"
-)
-"""The words of the expert's THOUGHT lines (kept by renaming). The thoughts are fixed phrases:
-names and numbers appear once, in the command, so a weak policy has less text to garble before
-its bash block."""
 
 
 def made_up_name(name: str, rng: random.Random) -> str:
