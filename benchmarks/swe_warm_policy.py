@@ -3,7 +3,10 @@
 Runs `agentree eval --env swebench` as a user would, then reads the eval directory: the share of
 actions that hold exactly one bash block (the env's format check), what the well-formed
 commands were (their first word), and the resolved rates. `--offline N` also samples the
-policy's action at every turn of the expert's conversations on N held-out tasks (no containers).
+policy's action at every turn of the expert's conversations on N held-out tasks (no containers),
+and `--match N` asks it greedily and counts, per turn, the answers that are exactly the expert's
+command (copying the function name, the path and the line numbers right). `--no-docker` runs
+only those two.
 
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
 """
@@ -29,8 +32,31 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--offline", type=int, default=0, help="also the offline rate on N tasks")
+    ap.add_argument("--match", type=int, default=0, help="also greedy per-turn match on N tasks")
+    ap.add_argument("--no-docker", action="store_true", help="skip the episodes in Docker")
     ap.add_argument("--keep", help="keep the eval directory here")
     args = ap.parse_args()
+    if not args.no_docker:
+        episodes(args)
+    records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
+    if args.offline:
+        from agentree.swe.expert import well_formed_rate
+
+        rate, n = well_formed_rate(
+            args.policy, records[: args.offline], max_new_tokens=args.max_tokens
+        )
+        print(f"offline, on the expert's contexts: {n} actions, {100 * rate:.1f}% well-formed")
+    if args.match:
+        from agentree.swe.expert import turn_match
+
+        match = turn_match(args.policy, records[: args.match], max_new_tokens=args.max_tokens)
+        print(
+            "greedy, exactly the expert's command: "
+            + ", ".join(f"{t} {hit}/{n}" for t, (hit, n) in match.items())
+        )
+
+
+def episodes(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -66,14 +92,6 @@ def main() -> None:
         f"pass@{args.samples} {100 * summary['pass_at_k']:.1f}%"
     )
     print("commands: " + ", ".join(f"{k} {v}" for k, v in first.most_common(8)))
-    if args.offline:
-        from agentree.swe.expert import well_formed_rate
-
-        records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
-        rate, n = well_formed_rate(
-            args.policy, records[: args.offline], max_new_tokens=args.max_tokens
-        )
-        print(f"offline, on the expert's contexts: {n} actions, {100 * rate:.1f}% well-formed")
 
 
 if __name__ == "__main__":

@@ -204,6 +204,10 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     # this 64-wide model, 240 updates, gets 80% (sampled at temperature 1); the default
     # WarmConfig policy is measured on real held-out tasks by benchmarks/swe_warm_policy.py
     assert rate >= 0.7
+    # greedy per-turn match: every turn of the expert's episode asked once per task
+    match = expert.turn_match(path, heldout[:2])
+    assert {t: n for t, (_, n) in match.items()} == dict.fromkeys(expert.TURNS, 2)
+    assert all(0 <= hit <= n for hit, n in match.values())
     # built once: a second call with the same tasks and settings reuses the directory
     assert expert.warm_policy(records, cfg, out_dir=path) == path
 

@@ -31,7 +31,7 @@ import difflib
 import json
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -599,21 +599,19 @@ def warm_policy(
     return build_once(target, write)
 
 
-def well_formed_rate(
+TURNS = ("grep", "show", "edit", "test", "submit")
+"""The expert's turns on a task when it makes no wrong edit (what `turn_match` reports)."""
+
+
+def _answers(
     policy: str | Path,
     records: Sequence[dict[str, Any]],
-    *,
-    max_new_tokens: int = 160,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> tuple[float, int]:
-    """(share of sampled actions holding exactly one bash block, actions sampled).
-
-    The policy answers at every turn of the expert's conversation on each task (the expert's
-    earlier actions and observations as its context), so the format is measured on held-out
-    tasks in seconds, without containers; `benchmarks/swe_warm_policy.py` measures it on the
-    policy's own episodes in Docker.
-    """
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> Iterator[tuple[int, list[str], list[str]]]:
+    """(turn, the policy's commands, the expert's) at every turn of the expert's conversation
+    on each task, the expert's earlier actions and observations as the policy's context."""
     import torch
 
     from agentree.chat import ChatFormat
@@ -626,7 +624,6 @@ def well_formed_rate(
     system = env.system_prompt
     env.close()
     torch.manual_seed(seed)
-    good = total = 0
     for record in records:
         conv = trajectory(record)
         if conv is None:
@@ -643,10 +640,44 @@ def well_formed_rate(
                     pad_token_id=tokenizer.pad_token_id,
                 )
             action = chat.decode_action(out[0, len(ids) :].tolist())
-            good += len(parse_commands(action)) == 1
-            total += 1
+            yield k // 2, parse_commands(action), parse_commands(conv[k]["content"])
             expert_ids = [*chat.encode(conv[k]["content"]), chat.end_of_turn_id]
             ids = ids + expert_ids
             if k + 1 < len(conv):
                 ids += chat.observation_ids(conv[k + 1]["content"], expert_ids)
+
+
+def well_formed_rate(
+    policy: str | Path,
+    records: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int = 160,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> tuple[float, int]:
+    """(share of sampled actions holding exactly one bash block, actions sampled).
+
+    The policy answers at every turn of the expert's conversation on each task (the expert's
+    earlier actions and observations as its context), so the format is measured on held-out
+    tasks in seconds, without containers; `benchmarks/swe_warm_policy.py` measures it on the
+    policy's own episodes in Docker.
+    """
+    good = total = 0
+    for _, commands, _ in _answers(policy, records, max_new_tokens, temperature, seed):
+        good += len(commands) == 1
+        total += 1
     return good / max(total, 1), total
+
+
+def turn_match(
+    policy: str | Path, records: Sequence[dict[str, Any]], *, max_new_tokens: int = 160
+) -> dict[str, tuple[int, int]]:
+    """Per turn of the expert's episode (`TURNS`): (greedy answers exactly the expert's command,
+    turns asked). Tells copying from recall: the grep must name the function in the task's
+    traceback and the listing must copy grep's path and line."""
+    out = {t: (0, 0) for t in TURNS}
+    for turn, commands, wanted in _answers(policy, records, max_new_tokens, 0.0, 0):
+        name = TURNS[min(turn, len(TURNS) - 1)]
+        hit, n = out[name]
+        out[name] = (hit + (commands == wanted), n + 1)
+    return out
