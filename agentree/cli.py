@@ -21,7 +21,10 @@ def _selection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", help="env name or package.module:Class")
     p.add_argument("--rollout", help="rollout controller (patr, tree-random, grpo, arpo, ...)")
     p.add_argument("--scorer", help="process scorer (bfs, prm, judge, heuristic, random)")
-    p.add_argument("--policy", help="tiny, a checkpoint path, or a hub id")
+    p.add_argument(
+        "--policy",
+        help="tiny, tiny-warm, smollm2-135m, a checkpoint directory, a .gguf file or a hub id",
+    )
     p.add_argument("--output", help="run directory")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
@@ -80,6 +83,7 @@ def _command_hooks() -> list[Callable[[Any], None]]:
         ("agentree.plot", "add_plot_command"),
         ("agentree.export", "add_export_command"),
         ("agentree.sft", "add_sft_command"),
+        ("agentree.models.cli", "add_models_command"),
     ):
         if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
             hooks.append(getattr(importlib.import_module(module), name))

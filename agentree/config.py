@@ -38,11 +38,13 @@ class _Section(BaseModel):
 class PolicyConfig(_Section):
     path: str = "tiny"
     """`tiny` (built locally for the env), `tiny-warm` (tiny fine-tuned on a noisy scripted
-    expert, FrozenLake and Countdown), a checkpoint directory, or a hub id."""
+    expert, FrozenLake and Countdown), `warm` (`warm.base` fine-tuned on that expert), a named
+    pretrained checkpoint (`smollm2-135m`, see `agentree models list`), a checkpoint directory,
+    a .gguf file, or a hub id."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Shape of the locally built tiny policy."""
     warm: WarmConfig = Field(default_factory=WarmConfig)
-    """How `tiny-warm` is built: expert probability, demonstrations, SFT settings."""
+    """How `warm`/`tiny-warm` is built: base policy, expert probability, demonstrations, SFT."""
     dtype: str = "auto"
     """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"

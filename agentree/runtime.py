@@ -218,26 +218,41 @@ class Runtime:
 
 
 def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
+    """A loadable directory for `policy.path`: `tiny` and `warm`/`tiny-warm` are built (once,
+    cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
     path = cfg.policy.path
-    if path not in ("tiny", "tiny-warm"):
-        return path
+    if path not in ("tiny", "tiny-warm", "warm"):
+        from agentree.models.pretrained import local_policy
+
+        return local_policy(path, log)
     from agentree.models.tiny import tiny_policy_for_env
     from agentree.models.warm import WARM_ENVS, warm_policy_for_env
 
     env_name, env_kwargs = cfg.component("env")
-    t0 = time.perf_counter()
-    if path == "tiny-warm" and env_name not in WARM_ENVS:
-        # the default config's policy meets a user env: there is no scripted expert to warm
-        # it up with, so start from the untrained tiny policy and say so
-        log(
-            f"tiny-warm has a scripted expert for {', '.join(WARM_ENVS)} only; {env_name} starts "
-            "from the tiny policy (fine-tune one with agentree sft and pass --policy DIR)"
+    warm = cfg.policy.warm
+    if path == "tiny-warm" and warm.base != "tiny":
+        raise ValueError(
+            f"policy.path tiny-warm fine-tunes the tiny policy, but policy.warm.base is "
+            f"{warm.base}; set policy.path: warm to fine-tune {warm.base}"
         )
+    t0 = time.perf_counter()
+    if path != "tiny" and env_name not in WARM_ENVS:
+        # the default config's policy meets a user env: there is no scripted expert to warm
+        # it up with, so start from the untrained base and say so
+        start = "the tiny policy" if warm.base == "tiny" else warm.base
+        log(
+            f"{path} has a scripted expert for {', '.join(WARM_ENVS)} only; {env_name} starts "
+            f"from {start} (fine-tune one with agentree sft and pass --policy DIR)"
+        )
+        if warm.base != "tiny":
+            from agentree.models.pretrained import local_policy
+
+            return local_policy(warm.base, log)
         path = "tiny"
-    if path == "tiny-warm":
-        out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, cfg.policy.warm, log)
+    if path == "tiny":
+        out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, log=log)
     else:
-        out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny)
+        out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, warm, log)
     log(f"{path} policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
     return str(out)
 

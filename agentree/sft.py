@@ -243,6 +243,12 @@ def run_sft(
     model.train()
     epoch_loss: list[float] = []
     step = 0
+    tokens = sum(len(e.token_ids) for e in data)
+    log(
+        f"sft: {len(data)} examples, {tokens} tokens, {steps} steps of {cfg.batch_size} "
+        f"({cfg.epochs} epoch(s)); time per step is printed as it runs"
+    )
+    t_loop, last_note = time.perf_counter(), time.perf_counter()
     for epoch in range(cfg.epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
@@ -259,6 +265,14 @@ def run_sft(
             total += float(loss.detach()) * n
             count += n
             step += 1
+            now = time.perf_counter()
+            if now - last_note >= 30 or step == 1:  # a real model runs seconds per step
+                per = (now - t_loop) / step
+                log(
+                    f"sft step {step}/{steps}: loss {float(loss.detach()):.4f}, {per:.1f}s/step, "
+                    f"about {per * (steps - step) / 60:.1f} min left"
+                )
+                last_note = now
         epoch_loss.append(total / max(count, 1))
         log(f"sft epoch {epoch + 1}/{cfg.epochs}: loss {epoch_loss[-1]:.4f}")
     out = Path(output)

@@ -44,7 +44,8 @@ from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine, load_policy
 from agentree.envs.base import Task, env_class
-from agentree.models.tiny import TinyModelConfig, cache_root, tiny_policy_for_env
+from agentree.models.store import cache_root
+from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.rollout.base import Controller, RolloutContext
 from agentree.rollout.eptree import THEOREM1_BOUNDS, EPTree, EPTreeConfig, theorem1_ratio
 from agentree.rollout.flat import FlatConfig, FlatGRPO

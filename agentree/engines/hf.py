@@ -508,9 +508,13 @@ def check_policy_path(path: str | Path) -> None:
 
 
 def load_policy(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer the ordinary way (`from_pretrained`)."""
+    """Load a causal LM and its tokenizer the ordinary way (`from_pretrained`); a named
+    pretrained checkpoint (`smollm2-135m`) or a GGUF file is fetched or converted first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentree.models.pretrained import local_policy
+
+    path = local_policy(str(path))
     check_policy_path(path)
     device, torch_dtype = resolve_device_dtype(device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)

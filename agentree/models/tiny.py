@@ -11,15 +11,13 @@ so this gives RL a usable signal from the first step. Builds are cached by conte
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agentree.models.store import Log, build_once, cache_root, content_key, to_stderr
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML without the system message. A model trained from scratch gains nothing from
@@ -65,15 +63,14 @@ class TinyModelConfig(BaseModel):
     """Seed for the random weights."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("AGENTREE_CACHE", Path.home() / ".cache" / "agentree"))
-
-
 def build_tiny_policy(
     corpus: Sequence[str],
     cfg: TinyModelConfig,
     atomic: Sequence[str] = (),
     out_dir: Path | None = None,
+    *,
+    what: str = "tiny policy",
+    log: Log | None = to_stderr,
 ) -> Path:
     """Train the tokenizer on `corpus`, create the model, save both; return the directory.
 
@@ -91,31 +88,7 @@ def build_tiny_policy(
         _random_model(tokenizer, cfg).save_pretrained(tmp)
         (tmp / "agentree_tiny.json").write_text(json.dumps(cfg.model_dump(), indent=1))
 
-    return build_once(target, write)
-
-
-def content_key(spec: dict) -> str:
-    """A short hash naming a build by everything that determines it."""
-    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
-
-
-def build_once(target: Path, write: Callable[[Path], None]) -> Path:
-    """Build `target` by `write`-ing into a temp dir and renaming it: readers never see a half
-    build, concurrent builders never clash, and a finished build is reused."""
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():  # a concurrent build finished first
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return build_once(target, write, what=what, expected="a few seconds", log=log)
 
 
 def train_tokenizer(corpus: Sequence[str], cfg: TinyModelConfig, atomic: Sequence[str] = ()):
@@ -195,7 +168,9 @@ def _random_model(tokenizer, cfg: TinyModelConfig):
         return Qwen2ForCausalLM(config)
 
 
-def tiny_policy_for_env(env_name: str, env_kwargs: dict, cfg: TinyModelConfig) -> Path:
+def tiny_policy_for_env(
+    env_name: str, env_kwargs: dict, cfg: TinyModelConfig, log: Log | None = to_stderr
+) -> Path:
     """Build (or reuse) the tiny policy whose tokenizer is trained on `env_name`'s text."""
     from agentree.envs.base import env_class, validate_env_kwargs
 
@@ -213,4 +188,4 @@ def tiny_policy_for_env(env_name: str, env_kwargs: dict, cfg: TinyModelConfig) -
         ]
     finally:
         env.close()
-    return build_tiny_policy(corpus, cfg, atomic)
+    return build_tiny_policy(corpus, cfg, atomic, what=f"tiny policy for {env_name}", log=log)

@@ -14,14 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agentree.models.tiny import (
-    TinyModelConfig,
-    _random_model,
-    build_once,
-    cache_root,
-    content_key,
-    train_tokenizer,
-)
+from agentree.models.store import build_once, cache_root, content_key
+from agentree.models.tiny import TinyModelConfig, _random_model, train_tokenizer
 
 # Every UTF-8 lead/continuation byte appears in this alphabet, so the byte-level tokenizer can
 # encode any text (a tokenizer trained on a small corpus would otherwise drop unseen bytes).
@@ -60,7 +54,9 @@ def build_tiny_prm(
     texts = [*(corpus or _CORPUS), _ALPHABET]
     key = content_key({"corpus": texts, "cfg": cfg.model_dump(), "v": 1})
     target = Path(out_dir) if out_dir is not None else cache_root() / "tiny-prm" / key
-    return build_once(target, lambda tmp: _write_prm(tmp, texts, cfg))
+    return build_once(
+        target, lambda tmp: _write_prm(tmp, texts, cfg), what="tiny PRM", expected="seconds"
+    )
 
 
 def _write_prm(path: Path, texts: list[str], cfg: TinyModelConfig) -> None:

@@ -37,7 +37,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentree.models.tiny import TinyModelConfig, build_once, cache_root, content_key
+from agentree.models.store import build_once, cache_root, content_key
+from agentree.models.tiny import TinyModelConfig
 
 WARM_ENVS = ("frozenlake", "countdown")
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
@@ -50,6 +51,9 @@ class WarmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    base: str = "tiny"
+    """The policy the expert's demonstrations fine-tune: `tiny` (built for the env), or any
+    `--policy` value, such as `smollm2-135m` or a checkpoint directory (`policy.path: warm`)."""
     expert_prob: float = Field(0.5, ge=0.0, le=1.0)
     """Probability that a demonstrated action is the expert's (else a random valid one)."""
     episodes: int = Field(400, ge=1)
@@ -268,8 +272,10 @@ def warm_policy_for_env(
     warm: WarmConfig,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build (or reuse) the tiny policy for `env_name` fine-tuned on the noisy expert."""
+    """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
+    the noisy expert."""
     from agentree.envs.base import env_class, validate_env_kwargs
+    from agentree.models.pretrained import local_policy
     from agentree.models.tiny import tiny_policy_for_env
     from agentree.sft import SFTConfig, run_sft
 
@@ -280,9 +286,14 @@ def warm_policy_for_env(
         )
     cls = env_class(env_name)
     kwargs = validate_env_kwargs(cls, env_kwargs)
-    base = tiny_policy_for_env(env_name, env_kwargs, tiny)
+    if warm.base == "tiny":
+        base = tiny_policy_for_env(env_name, env_kwargs, tiny, log=log)
+        base_id = base.name
+    else:
+        base = Path(local_policy(warm.base, log)).resolve()
+        base_id = str(base)
     key = content_key(
-        {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
+        {"base": base_id, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
     )
 
     def phase(
@@ -325,4 +336,12 @@ def warm_policy_for_env(
         phase(first, tmp, warm, warm.epochs, warm.lr, system)
         shutil.rmtree(first)
 
-    return build_once(cache_root() / "tiny-warm" / key, write)
+    phases = "two SFT phases" if warm.pretrain_episodes else "one SFT phase"
+    return build_once(
+        cache_root() / "tiny-warm" / key,
+        write,
+        what=f"warm policy for {env_name} ({warm.base} fine-tuned on the scripted expert)",
+        expected=f"{phases}, about 2-3 min on 2 CPU cores for tiny, longer for a real model "
+        "or under load; built once",
+        log=log,
+    )

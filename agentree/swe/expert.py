@@ -563,12 +563,8 @@ def warm_policy(
 ) -> Path:
     """Build (or reuse) the tiny SWE policy fine-tuned on the expert's trajectories."""
     from agentree.envs.swe import SWEEnv
-    from agentree.models.tiny import (
-        build_once,
-        build_tiny_policy,
-        cache_root,
-        content_key,
-    )
+    from agentree.models.store import build_once, cache_root, content_key
+    from agentree.models.tiny import build_tiny_policy
     from agentree.sft import SFTConfig, run_sft
 
     cfg = cfg or WarmConfig()
@@ -589,14 +585,20 @@ def warm_policy(
 
     def write(tmp: Path) -> None:
         atomic = (*ATOMIC, *template_pieces())
-        base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base")
+        base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base", log=log)
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
         run_sft(base, convs, tmp, sft, system=system, log=log)
         import shutil
 
         shutil.rmtree(tmp / "base")
 
-    return build_once(target, write)
+    return build_once(
+        target,
+        write,
+        what=f"SWE warm policy ({len(convs)} trajectories, {cfg.epochs} epochs)",
+        expected="about 20 min on 2 CPU cores",
+        log=log,
+    )
 
 
 TURNS = ("grep", "show", "edit", "test", "submit")

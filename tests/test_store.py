@@ -1,0 +1,106 @@
+"""The policy cache's builds: one at a time across processes, nothing half-built left behind
+on an exception, Ctrl-C, SIGTERM or SIGKILL, and a message before a build starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentree.models.store import build_once, cached_builds
+
+BUILD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from agentree.models.store import build_once
+
+    target, seconds = Path(sys.argv[1]), float(sys.argv[2])
+
+    def write(out):
+        with open(target.parent.parent / "writes.log", "a") as f:
+            f.write("write\\n")
+        (out / "weights.bin").write_text("x")
+        time.sleep(seconds)
+        (out / "config.json").write_text("{}")
+
+    print(build_once(target, write, what="test model", expected="a few seconds"), flush=True)
+    """
+)
+
+
+def _start(target: Path, seconds: float, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "AGENTREE_CACHE": str(cache)}
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILD, str(target), str(seconds)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _leftovers(kind: Path) -> list[str]:
+    return sorted(p.name for p in kind.iterdir() if p.name.startswith("."))
+
+
+def test_a_second_process_waits_and_reuses_the_build(tmp_path: Path) -> None:
+    target = tmp_path / "tiny" / "abc"
+    first = _start(target, 4.0, tmp_path)
+    deadline = time.time() + 60
+    while not list((tmp_path / "tiny").glob(".abc.partial")) and time.time() < deadline:
+        time.sleep(0.1)
+    second = _start(target, 0.0, tmp_path)
+    out1, err1 = first.communicate(timeout=120)
+    out2, err2 = second.communicate(timeout=120)
+    assert first.returncode == second.returncode == 0, err1 + err2
+    assert out1.strip() == out2.strip() == str(target)
+    assert "building test model (a few seconds)" in err1
+    assert f"waiting for process {first.pid}, which is building test model" in err2
+    assert "reusing the build another process just finished" in err2
+    assert (tmp_path / "writes.log").read_text() == "write\n"  # built once
+    assert _leftovers(tmp_path / "tiny") == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_build_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    target = tmp_path / "tiny" / "abc"
+    proc = _start(target, 60.0, tmp_path)
+    deadline = time.time() + 60
+    partial = tmp_path / "tiny" / ".abc.partial"
+    while not (partial / "weights.bin").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not target.exists() and _leftovers(tmp_path / "tiny") == []
+
+
+def test_an_exception_leaves_nothing_and_a_killed_builds_leftover_is_cleared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path))
+    target = tmp_path / "tiny" / "abc"
+
+    def broken(out: Path) -> None:
+        (out / "weights.bin").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_once(target, broken, log=None)
+    assert not target.exists() and _leftovers(tmp_path / "tiny") == []
+
+    killed = tmp_path / "tiny" / ".abc.partial"  # what a SIGKILLed build leaves
+    killed.mkdir()
+    (killed / "weights.bin").write_text("half")
+    messages: list[str] = []
+    build_once(target, lambda out: (out / "config.json").write_text("{}"), log=messages.append)
+    assert (target / "config.json").exists() and _leftovers(tmp_path / "tiny") == []
+    assert messages[0].startswith("building tiny/abc") and messages[-1].startswith("built tiny/abc")
+    assert [b["kind"] for b in cached_builds(tmp_path)] == ["tiny"]
