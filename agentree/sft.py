@@ -55,6 +55,9 @@ class SFTConfig(BaseModel):
     """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"
     """auto, cpu, cuda, ..."""
+    lora_r: int = Field(0, ge=0)
+    """LoRA rank (peft, on `train.lora`'s default projections); 0 trains all weights. The
+    adapters are merged into the saved model, so the output is a plain checkpoint."""
 
 
 @dataclass
@@ -235,7 +238,13 @@ def run_sft(
             "trees were sampled by a policy with another tokenizer"
         )
     torch.manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.lora_r:
+        from agentree.config import LoraSettings
+        from agentree.lora import add_lora
+
+        model = add_lora(model, LoraSettings(r=cfg.lora_r))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * math.ceil(len(data) / cfg.batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.seed)
@@ -260,7 +269,7 @@ def run_sft(
             loss, n = sft_loss(model, batch, pad, dev)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             total += float(loss.detach()) * n
             count += n
@@ -278,6 +287,8 @@ def run_sft(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
+    if cfg.lora_r:
+        model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {

@@ -93,8 +93,9 @@ def test_multi_turn_rollout_trains_on_the_sampled_ids(tmp_path: Path, smollm2: P
         assert max(t.num_turns for t in trajs) >= 2  # a multi-turn context, glue included
         for tree, g in zip(trees, groups, strict=True):
             for t in g:  # the trajectory is the exact concatenation of the nodes' ids
-                ids = [x for n in tree.path(t.leaf) for x in n.obs_ids + n.action_ids]
-                assert ids == list(t.token_ids)
+                path = tree.path(t.leaf)
+                ids = [x for n in path[:-1] for x in n.action_ids + n.obs_ids]
+                assert [*ids, *path[-1].action_ids] == list(t.token_ids)
         g = groups[0]
         g[0].reward, g[1].reward = 1.0, 0.0
         advs = [a for grp in compute_advantages("grpo", trees, groups) for a in grp]

@@ -73,6 +73,16 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="only write --trajectories (to fine-tune another model with `agentree sft`)",
     )
+    warm.add_argument(
+        "--policy",
+        help="fine-tune this model instead of building the tiny one: smollm2-135m, a checkpoint "
+        "directory, a .gguf file",
+    )
+    warm.add_argument("--lora-r", type=int, help="LoRA rank for --policy (0: all weights)")
+    warm.add_argument("--lr", type=float, help="peak learning rate")
+    warm.add_argument("--max-trajectories", type=int, help="trajectories fine-tuned on")
+    warm.add_argument("--renamed-copies", type=int, help="renamed copies per trajectory")
+    warm.add_argument("--max-length", type=int, help="tokens kept per trajectory")
     warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
     warm.add_argument("--seed", type=int, default=0, help="weights and example order")
     warm.set_defaults(func=warm_command)
@@ -195,7 +205,18 @@ def warm_command(args: argparse.Namespace) -> int:
     if args.no_build and not args.trajectories:
         print("error: --no-build needs --trajectories FILE", file=sys.stderr)
         return 2
-    cfg = expert.WarmConfig(seed=args.seed, **({"epochs": args.epochs} if args.epochs else {}))
+    chosen = {
+        "base": args.policy,
+        "lora_r": args.lora_r,
+        "lr": args.lr,
+        "max_trajectories": args.max_trajectories,
+        "renamed_copies": args.renamed_copies,
+        "max_length": args.max_length,
+        "epochs": args.epochs,
+    }
+    if args.policy:  # a pretrained model: its own learning rate, and it copies names already
+        chosen = {**REAL_MODEL_WARM, **{k: v for k, v in chosen.items() if v is not None}}
+    cfg = expert.WarmConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
     if args.trajectories:
         written, skipped = expert.write_trajectories(records, Path(args.trajectories), cfg)
         print(f"wrote {written} trajectories to {args.trajectories} ({skipped} tasks skipped)")
@@ -209,6 +230,19 @@ def warm_command(args: argparse.Namespace) -> int:
         return 1
     print(path)
     return 0
+
+
+REAL_MODEL_WARM = {
+    "lr": 5e-5,
+    "epochs": 1,
+    "batch_size": 4,
+    "renamed_copies": 0,
+    "max_trajectories": 176,
+    "max_length": 2048,
+}
+"""`swe warm --policy MODEL` defaults: a pretrained model's learning rate, no renamed copies
+(it copies names from context already), one pass over one trajectory per train task, cut at
+2048 tokens: about 40 min of a 135M model's fine-tune on 2 CPU cores."""
 
 
 def cleanup_command(args: argparse.Namespace) -> int:

@@ -552,6 +552,19 @@ class WarmConfig(BaseModel):
     """Trajectories per optimiser step."""
     seed: int = 0
     """Seed of the weights and the example order."""
+    base: str = "tiny"
+    """The model fine-tuned: `tiny` (a tokenizer and model built from the trajectories, the
+    shape above), or any `--policy` value such as `smollm2-135m` or a checkpoint directory."""
+    max_length: int = Field(4096, ge=64)
+    """Tokens of a trajectory kept for fine-tuning (longer ones are cut at the end); the
+    token budget that makes a real model's fine-tune fit a CPU."""
+    lora_r: int = Field(0, ge=0)
+    """LoRA rank for a real base model (merged into the saved weights); 0 trains all weights."""
+
+
+TRAINED_TOKENS_PER_S = 100.0
+"""Trained tokens per second of SmolLM2-135M (fp32, full fine-tune, 2 quiet CPU cores,
+DESIGN §12): the estimate printed before a real model's fine-tune starts."""
 
 
 def warm_policy(
@@ -561,7 +574,8 @@ def warm_policy(
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build (or reuse) the tiny SWE policy fine-tuned on the expert's trajectories."""
+    """Build (or reuse) the SWE policy fine-tuned on the expert's trajectories: the tiny one
+    built from them, or `cfg.base` (a real model)."""
     from agentree.envs.swe import SWEEnv
     from agentree.models.store import build_once, cache_root, content_key
     from agentree.models.tiny import build_tiny_policy
@@ -580,6 +594,8 @@ def warm_policy(
     env = SWEEnv()
     system = env.system_prompt
     env.close()
+    if cfg.base != "tiny":
+        return _warm_real_model(convs, cfg, system, target, log)
     corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
     shape = cfg.model.model_copy(update={"seed": cfg.seed})
 
@@ -597,6 +613,50 @@ def warm_policy(
         write,
         what=f"SWE warm policy ({len(convs)} trajectories, {cfg.epochs} epochs)",
         expected="about 20 min on 2 CPU cores",
+        log=log,
+    )
+
+
+def _warm_real_model(
+    convs: list[list[dict[str, str]]],
+    cfg: WarmConfig,
+    system: str,
+    target: Path,
+    log: Callable[[str], None],
+) -> Path:
+    """Fine-tune a pretrained model on the trajectories, saying beforehand how many tokens that
+    is and about how long it takes on a CPU."""
+    from transformers import AutoTokenizer
+
+    from agentree.chat import ChatFormat
+    from agentree.models.pretrained import local_policy
+    from agentree.models.store import build_once
+    from agentree.sft import SFTConfig, example_from_messages, run_sft
+
+    base = local_policy(cfg.base, log)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(base))
+    lengths = [len(example_from_messages(chat, c, system).token_ids) for c in convs]
+    tokens = sum(min(n, cfg.max_length) for n in lengths) * cfg.epochs
+    cut = sum(n > cfg.max_length for n in lengths)
+    minutes = tokens / TRAINED_TOKENS_PER_S / 60
+    log(
+        f"{len(convs)} trajectories, {tokens} tokens to train over {cfg.epochs} epoch(s) "
+        f"({cut} cut at {cfg.max_length} tokens): about {minutes:.0f} min for a 135M model on "
+        "2 quiet CPU cores (full fine-tune; scale by model size, less on a GPU)"
+    )
+    sft = SFTConfig(
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        max_length=cfg.max_length,
+        lora_r=cfg.lora_r,
+    )
+    return build_once(
+        target,
+        lambda tmp: run_sft(base, convs, tmp, sft, system=system, log=log),
+        what=f"SWE warm policy ({cfg.base} on {len(convs)} trajectories)",
+        expected=f"about {minutes:.0f} min",
         log=log,
     )
 

@@ -1,0 +1,139 @@
+"""A real pretrained model on this machine: fetch + convert time, generation and update
+throughput, and zero-shot held-out success and well-formed actions per env with its config.
+
+    python benchmarks/real_model.py --out docs/results/real_model.json            # everything
+    python benchmarks/real_model.py --only throughput zero-shot --envs frozenlake countdown
+
+Sections:
+- `convert`: `agentree models pull smollm2-135m` into an empty temp cache (download, sha256
+  checks, de-quantization, save), wall time.
+- `throughput`: the transformers engine's sampled tokens/s at batch 1 and batch 8 (64 new
+  tokens after a ~90-token prompt, no early stop), and trained tokens/s of one
+  forward+backward+AdamW step on 4 x 512 tokens (the update's cost without the rollout).
+- `zero-shot`: `agentree eval --config <env>_smollm2 --policy smollm2-135m` on held-out tasks;
+  success (resolved) rate and the share of well-formed actions from the saved trees.
+Say in the results whether other work shared the machine: every figure here is wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ZERO_SHOT = {
+    "frozenlake": ("frozenlake_patr_smollm2", "32", 2),
+    "countdown": ("countdown_latr_smollm2", "32", 2),
+    "math": ("math_treepo_smollm2", "32", 2),
+    "swebench": ("swebench_patr_smollm2", "local", 1),
+}
+"""env -> (config, held-out tasks, samples per task)."""
+
+
+def convert(policy: str) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="agentree-bench-cache-") as cache:
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["agentree", "models", "pull", policy],
+            env={**os.environ, "AGENTREE_CACHE": cache},
+            check=True,
+        )
+        return {"fetch_and_convert_s": round(time.perf_counter() - t0, 1)}
+
+
+def throughput(policy: str, threads: int) -> dict[str, float]:
+    import torch
+
+    from agentree.engines.base import SamplingParams
+    from agentree.engines.hf import HFEngine, load_policy
+
+    torch.set_num_threads(threads)
+    model, tok = load_policy(policy, dtype="float32", device="cpu")
+    engine = HFEngine(model, tok, prefix_cache_mb=0, seed=0)
+    prompt = tok.encode("Write a short story about a robot that learns to paint. " * 8)[:90]
+    params = SamplingParams(max_tokens=64, temperature=1.0, stop_token_ids=())
+    out: dict[str, float] = {"prompt_tokens": len(prompt)}
+    for batch in (1, 8):
+        engine.generate([prompt] * batch, params)  # warm-up
+        t0 = time.perf_counter()
+        done = engine.generate([prompt] * batch, params)
+        n = sum(len(c.token_ids) for row in done for c in row)
+        out[f"generate_tokens_per_s_batch{batch}"] = round(n / (time.perf_counter() - t0), 1)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, len(tok), (4, 512))
+    times = []
+    for _ in range(3):  # the first step allocates the optimiser state
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    out["update_step_4x512_s"] = round(min(times[1:]), 1)
+    out["update_tokens_per_s"] = round(ids.numel() / min(times[1:]), 1)
+    engine.close()
+    return out
+
+
+def zero_shot(policy: str, envs: list[str], out_dir: Path) -> dict[str, dict]:
+    from agentree.rollout.base import action_format
+    from agentree.tree import Tree
+
+    results = {}
+    for env in envs:
+        config, tasks, samples = ZERO_SHOT[env]
+        run = out_dir / f"zero-shot-{env}"
+        cmd = ["agentree", "eval", "--config", config, "--policy", policy, "--tasks", tasks]
+        cmd += ["--samples", str(samples), "--output", str(run)]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        summary = json.loads((run / "eval.json").read_text())["summary"]
+        well, judged = action_format([Tree.load(f) for f in sorted((run / "trees").glob("*.json"))])
+        results[env] = {
+            "config": config,
+            "tasks": summary["tasks"],
+            "samples": samples,
+            summary["metric"]: summary[summary["metric"]],
+            "pass_at_k": summary["pass_at_k"],
+            "well_formed_actions": well / judged if judged else None,
+            "actions_judged": judged,
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+        print(env, json.dumps(results[env]), flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--policy", default="smollm2-135m")
+    p.add_argument("--only", nargs="+", default=["convert", "throughput", "zero-shot"])
+    p.add_argument("--envs", nargs="+", default=list(ZERO_SHOT), choices=list(ZERO_SHOT))
+    p.add_argument("--threads", type=int, default=2, help="torch threads for throughput")
+    p.add_argument("--out", type=Path, default=Path("runs/real_model.json"))
+    args = p.parse_args()
+    report: dict = {"policy": args.policy, "load_at_start": os.getloadavg()[0]}
+    if "convert" in args.only:
+        report["convert"] = convert(args.policy)
+        print("convert", report["convert"], flush=True)
+    if "throughput" in args.only:
+        from agentree.models.pretrained import local_policy
+
+        report["throughput"] = throughput(local_policy(args.policy), args.threads)
+        print("throughput", report["throughput"], flush=True)
+    if "zero-shot" in args.only:
+        with tempfile.TemporaryDirectory(prefix="agentree-zero-shot-") as tmp:
+            report["zero_shot"] = zero_shot(args.policy, args.envs, Path(tmp))
+    report["load_at_end"] = os.getloadavg()[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"-> {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
