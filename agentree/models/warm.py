@@ -40,6 +40,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentree.models.tiny import TinyModelConfig, build_once, cache_root, content_key
 
 WARM_ENVS = ("frozenlake", "countdown")
+BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
+    "frozenlake": ("size", "p", "is_slippery"),
+    "countdown": ("min_numbers", "max_numbers", "min_number", "max_number", "max_target"),
+}
+"""Per env, the settings a warm build reads: those that change the tasks the expert plays, its
+episodes or the prompts. The others (turn limit, stop sequences, reward levels) keep their
+defaults in the build, so a run that changes them reuses it; FrozenLake's demonstrations play to
+the default turn limit whatever the run's `max_turns`. An env not listed is built with, and
+keyed on, every setting."""
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
 _DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
 _PREFERENCE = ("Down", "Right", "Up", "Left")
@@ -237,6 +246,22 @@ def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng
 
 
 # -- building ------------------------------------------------------------------------------------
+def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The validated env settings a warm build of `env_name` reads (`BUILD_SETTINGS`)."""
+    from agentree.envs.base import env_class, validate_env_kwargs
+
+    kwargs = validate_env_kwargs(env_class(env_name), env_kwargs)
+    keep = BUILD_SETTINGS.get(env_name)
+    return kwargs if keep is None else {k: v for k, v in kwargs.items() if k in keep}
+
+
+def build_key(env_name: str, env_kwargs: dict[str, Any], base: str, warm: WarmConfig) -> str:
+    """The cache name of a warm build: what determines its weights (the base policy, the env
+    settings the build reads, the warm-start settings), nothing else."""
+    kw = build_settings(env_name, env_kwargs)
+    return content_key({"base": base, "env": env_name, "kw": kw, "warm": warm.model_dump(), "v": 2})
+
+
 def demonstrations(
     env_name: str, env_kwargs: dict[str, Any], warm: WarmConfig
 ) -> list[list[dict[str, str]]]:
@@ -269,7 +294,7 @@ def warm_policy_for_env(
     log: Callable[[str], None] = print,
 ) -> Path:
     """Build (or reuse) the tiny policy for `env_name` fine-tuned on the noisy expert."""
-    from agentree.envs.base import env_class, validate_env_kwargs
+    from agentree.envs.base import env_class
     from agentree.models.tiny import tiny_policy_for_env
     from agentree.sft import SFTConfig, run_sft
 
@@ -279,11 +304,9 @@ def warm_policy_for_env(
             f"{env_name!r}; use policy tiny, or fine-tune one with agentree sft"
         )
     cls = env_class(env_name)
-    kwargs = validate_env_kwargs(cls, env_kwargs)
-    base = tiny_policy_for_env(env_name, env_kwargs, tiny)
-    key = content_key(
-        {"base": base.name, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
-    )
+    kwargs = build_settings(env_name, env_kwargs)  # all the build below reads
+    base = tiny_policy_for_env(env_name, kwargs, tiny)
+    key = build_key(env_name, kwargs, base.name, warm)
 
     def phase(
         start: Path, out: Path, expert: WarmConfig, epochs: int, lr: float, system: str
