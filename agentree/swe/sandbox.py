@@ -107,6 +107,8 @@ def exec_stream(api: Any, exec_id: str) -> Any:
     )
     api._raise_for_status(res)
     reader = res.raw._fp.fp  # the reader the headers were parsed with (it may hold frames)
+    if not isinstance(reader, io.BufferedReader):  # an SSH channel: docker-py's own reading
+        return CancellableStream(api._read_from_socket(res, stream=True, tty=False), res)
     api._disable_socket_timeout(reader.raw)  # commands keep their own deadline (`exec`)
     return CancellableStream(_frames(reader), res)
 
