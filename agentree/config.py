@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -216,8 +216,10 @@ class DistributedConfig(_Section):
     """local (a private Ray instance here), auto (the running cluster) or ray://host:port."""
     rollout_workers: int = Field(2, ge=1)
     """Rollout worker actors; each owns the envs and sandboxes of the trees it runs."""
-    engine_replicas: int = Field(1, ge=0)
-    """Policy engine actors shared by the workers; 0 gives every worker its own engine."""
+    engine_replicas: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    """Policy engine actors shared by the workers; 0 gives every worker its own engine. `auto`:
+    0 when the engines run on CPU (engine_gpus 0, or no GPU in the cluster), where a shared
+    replica measured slower than an engine per worker, else 1."""
     max_sandboxes_per_worker: int = Field(32, ge=1)
     """Most envs (Docker sandboxes) one worker holds at a time; bounds trees per call."""
     worker_cpus: float = Field(1.0, ge=0.0)

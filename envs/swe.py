@@ -43,6 +43,8 @@ DEFAULT_ENV = (
     ("PYTHONDONTWRITEBYTECODE", "1"),
 )
 FORMAT_ERROR_KEY = "<format-error>"
+PATCH_TIMEOUT_S = 120.0
+"""Seconds `git diff` of the submission may take."""
 
 _BLOCK = re.compile(r"```(?:bash|sh|shell)[ \t]*\n(.*?)```", re.S)
 _SUBMIT = re.compile(rf"^\s*echo\s+['\"]?{SENTINEL}['\"]?\s*$")
@@ -213,18 +215,28 @@ class SWEEnv(Env):
         return obs, reward, not truncated, truncated, info
 
     def current_patch(self) -> tuple[str, str]:
-        """`git diff` of the repository including new files, and a problem if it is unusable.
+        """`git diff` of the repository including new files, and a problem if it is unusable
+        (git failed: the agent's doing, graded as unresolved).
 
-        Staging happens in a throwaway index, so the repository's own index is untouched.
+        Staging happens in a throwaway index, so the repository's own index is untouched. A
+        patch that could not be read (output cut in transit, time out) raises `SandboxError`,
+        so the episode ends as an env error instead of being graded as an empty patch.
         """
+        from agentree.swe.sandbox import SandboxError
+
         with self._lock:
             excludes = " ".join(f"':(exclude){p}'" for p in self._instance.hidden_paths)
             res = self._sandbox.exec(
                 'idx=$(mktemp -u) && { cp "$(git rev-parse --git-path index)" "$idx" || true; } '
                 '&& GIT_INDEX_FILE="$idx" git add -A && GIT_INDEX_FILE="$idx" git diff --cached '
                 f'--no-color --no-ext-diff -- . {excludes}; rc=$?; rm -f "$idx"; exit $rc',
-                timeout=120,
+                timeout=PATCH_TIMEOUT_S,
                 max_output=64 * 1024 * 1024,
+                read_only=True,  # a second run reads the same diff
+            )
+        if res.timed_out:
+            raise SandboxError(
+                f"taking the patch (git add -A; git diff) timed out after {PATCH_TIMEOUT_S:g}s"
             )
         if res.returncode != 0:
             return "", f"git diff failed: {res.output[-300:]}"

@@ -69,6 +69,39 @@ def test_default_run_is_the_warm_4x4_one() -> None:
     assert 0.0 < cfg.policy.warm.expert_prob < 1.0
 
 
+def test_warm_build_is_keyed_on_what_changes_its_weights() -> None:
+    """Turn limit, stop sequences and reward levels do not change the demonstrations or the
+    prompts: a run that changes them reuses the build; map and task settings do not."""
+    from agentree.models.warm import WarmConfig, build_key, build_settings, demonstrations
+
+    warm = WarmConfig()
+
+    def key(env: str, **kw) -> str:
+        return build_key(env, kw, "tiny-base", warm)
+
+    default = key("frozenlake")
+    assert default == key("frozenlake", size=4, max_turns=10)  # the defaults, spelled out
+    for irrelevant in ({"max_turns": 2}, {"stop_after_move": False}, {"invalid_penalty": 0.5}):
+        assert key("frozenlake", **irrelevant) == default, irrelevant
+    for relevant in ({"size": 5}, {"p": 0.7}, {"is_slippery": True}):
+        assert key("frozenlake", **relevant) != default, relevant
+    assert build_key("frozenlake", {}, "another-base", warm) != default
+    assert build_key("frozenlake", {}, "tiny-base", WarmConfig(expert_prob=0.6)) != default
+
+    countdown = key("countdown")
+    assert key("countdown", format_score=0.0, correct_score=2.0) == countdown
+    assert key("countdown", max_target=50) != countdown
+
+    # the build reads the same settings as the key: with a 2-turn limit the demonstrations are
+    # the default ones (episodes past turn 2 included)
+    few = WarmConfig(episodes=12)
+    demos = demonstrations("frozenlake", build_settings("frozenlake", {"max_turns": 2}), few)
+    assert demos == demonstrations("frozenlake", build_settings("frozenlake", {}), few)
+    assert max(len(c) for c in demos) > 2 * 2
+    bigger = demonstrations("frozenlake", build_settings("frozenlake", {"size": 5}), few)
+    assert bigger != demos
+
+
 @pytest.fixture(scope="module")
 def warm_runtime():
     from agentree.runtime import Runtime

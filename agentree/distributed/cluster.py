@@ -15,10 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentree.config import DistributedConfig
+from agentree.config import DistributedConfig, ExperimentConfig
 
 WORKER_NICENESS = "RAY_worker_niceness"
 """Ray starts its worker processes at niceness 15 so its own daemons stay responsive; on a
@@ -75,6 +77,131 @@ def disconnect(started: bool) -> None:
     ray = import_ray()
     if ray.is_initialized():
         ray.shutdown()
+
+
+# -- what a run reserves ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Need:
+    """`count` actors of one kind, each reserving `each` (Ray resource name -> amount)."""
+
+    what: str
+    count: int
+    each: dict[str, float]
+    settings: str
+    """The settings that size this part, named when the cluster is too small for it."""
+
+
+def engine_replicas(dc: DistributedConfig, cluster_gpus: float) -> int:
+    """`distributed.engine_replicas` as a count. `auto` is 0 (an engine in each rollout worker)
+    when the engines run on CPU (engine_gpus 0 or no GPU in the cluster): measured on CPU, a
+    shared replica cost throughput against an engine per worker (docs/scaling.md); else 1."""
+    if dc.engine_replicas != "auto":
+        return dc.engine_replicas
+    return 1 if dc.engine_gpus > 0 and cluster_gpus > 0 else 0
+
+
+def scorer_actor_needed(cfg: ExperimentConfig) -> bool:
+    """A scorer that holds a model (PRM) runs as one actor shared by the workers, when the
+    rollout controller scores at all."""
+    from agentree.rollout.base import make_controller
+    from agentree.scorers.base import scorer_class
+
+    rollout_name, rollout_kwargs = cfg.component("rollout")
+    if not make_controller(rollout_name, **rollout_kwargs).uses_scorer:
+        return False
+    return bool(scorer_class(cfg.component("scorer")[0]).holds_model)
+
+
+def rank_gpus(cfg: ExperimentConfig, cluster_gpus: float) -> float:
+    """GPUs each training rank actor holds: one when the cluster has them and the policy is not
+    pinned to the CPU."""
+    return 1.0 if cluster_gpus > 0 and cfg.policy.device != "cpu" else 0.0
+
+
+def run_needs(
+    cfg: ExperimentConfig, *, replicas: int, scorer_actor: bool, cluster_gpus: float
+) -> list[Need]:
+    """Every actor a run on Ray reserves: rollout workers, engine replicas, the scorer actor,
+    and the training ranks when `train.world_size > 1` runs them as actors."""
+    dc = cfg.distributed
+    needs = [
+        Need(
+            "rollout worker",
+            dc.rollout_workers,
+            {"CPU": dc.worker_cpus},
+            "distributed.rollout_workers, distributed.worker_cpus",
+        ),
+        Need(
+            "engine replica",
+            replicas,
+            {"CPU": dc.engine_cpus, "GPU": dc.engine_gpus},
+            "distributed.engine_replicas (0: an engine in each worker), distributed.engine_cpus, "
+            "distributed.engine_gpus",
+        ),
+    ]
+    if scorer_actor:
+        needs.append(
+            Need(
+                "scorer actor",
+                1,
+                {"CPU": dc.scorer_cpus, "GPU": dc.scorer_gpus},
+                "distributed.scorer_cpus, distributed.scorer_gpus",
+            )
+        )
+    if cfg.train.world_size > 1:
+        needs.append(
+            Need(
+                "training rank",
+                cfg.train.world_size,
+                {"CPU": 1.0, "GPU": rank_gpus(cfg, cluster_gpus)},
+                "train.world_size",
+            )
+        )
+    return needs
+
+
+def total(needs: Sequence[Need], resource: str) -> float:
+    return sum(n.count * n.each.get(resource, 0.0) for n in needs)
+
+
+def check_resources(
+    needs: Sequence[Need], cluster: dict[str, float], nodes: Sequence[dict[str, float]] = ()
+) -> None:
+    """Refuse, in one line that names the settings to change, a run whose actors cannot all be
+    placed: more of a resource in all than `cluster` holds, or one actor larger than every node
+    in `nodes` (Ray would otherwise keep the actors pending until the start timeout)."""
+    for res in sorted({r for n in needs for r, v in n.each.items() if v > 0 and n.count}):
+        parts = [n for n in needs if n.count and n.each.get(res, 0.0) > 0]
+        want, have = total(parts, res), float(cluster.get(res, 0.0))
+        if want > have + 1e-6:
+            detail = " + ".join(
+                f"{n.count} {n.what}{'s' if n.count != 1 else ''} x {n.each[res]:g}" for n in parts
+            )
+            raise ValueError(
+                f"the Ray cluster has {have:g} {res} in all but this run reserves {want:g} "
+                f"({detail}); lower {'; '.join(n.settings for n in parts)}, or add nodes"
+            )
+    for n in needs:
+        for res, amount in n.each.items():
+            if n.count and amount > 0 and nodes and all(x.get(res, 0.0) < amount for x in nodes):
+                most = max(x.get(res, 0.0) for x in nodes)
+                raise ValueError(
+                    f"each {n.what} reserves {amount:g} {res} but the largest node of the Ray "
+                    f"cluster has {most:g}; lower {n.settings}, or add a larger node"
+                )
+
+
+def check_cluster(cfg: ExperimentConfig, *, scorer_actor: bool) -> int:
+    """Compare what the run reserves with the connected cluster (`check_resources`); returns
+    the number of engine replicas to start."""
+    ray = import_ray()
+    cluster = {k: float(v) for k, v in ray.cluster_resources().items()}
+    nodes = [dict(x.get("Resources") or {}) for x in ray.nodes() if x.get("Alive")]
+    gpus = cluster.get("GPU", 0.0)
+    replicas = engine_replicas(cfg.distributed, gpus)
+    needs = run_needs(cfg, replicas=replicas, scorer_actor=scorer_actor, cluster_gpus=gpus)
+    check_resources(needs, cluster, nodes)
+    return replicas
 
 
 class LocalCluster:

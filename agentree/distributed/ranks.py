@@ -15,7 +15,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentree.config import ExperimentConfig
-from agentree.distributed.cluster import connect, disconnect, free_port, import_ray
+from agentree.distributed.cluster import (
+    check_cluster,
+    connect,
+    disconnect,
+    engine_replicas,
+    free_port,
+    import_ray,
+    rank_gpus,
+    run_needs,
+    scorer_actor_needed,
+    total,
+)
 
 
 class RankActor:
@@ -44,10 +55,13 @@ def launch_on_ray(
     `local`, with room for the ranks and rank 0's rollout actors)."""
     ray = import_ray()
     world, dc = cfg.train.world_size, cfg.distributed
-    rollout_cpus = dc.rollout_workers * dc.worker_cpus + dc.engine_replicas * dc.engine_cpus
-    started = connect(dc, num_cpus=world + rollout_cpus)
+    scorer = scorer_actor_needed(cfg)
+    most = engine_replicas(dc, cluster_gpus=dc.engine_gpus)
+    need = run_needs(cfg, replicas=most, scorer_actor=scorer, cluster_gpus=0.0)
+    started = connect(dc, num_cpus=total(need, "CPU"))
     try:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) and cfg.policy.device != "cpu" else 0
+        check_cluster(cfg, scorer_actor=scorer)  # the ranks and rank 0's rollout actors
+        gpus = rank_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
         cls = ray.remote(RankActor).options(num_cpus=1, num_gpus=gpus, max_restarts=0)
         actors = [cls.remote() for _ in range(world)]
         addr, port = ray.get(actors[0].node.remote(), timeout=dc.start_timeout_s)

@@ -23,7 +23,16 @@ from concurrent.futures import Future
 from typing import Any
 
 from agentree.config import ExperimentConfig
-from agentree.distributed.cluster import connect, disconnect, import_ray
+from agentree.distributed.cluster import (
+    check_cluster,
+    connect,
+    disconnect,
+    engine_replicas,
+    import_ray,
+    run_needs,
+    scorer_actor_needed,
+    total,
+)
 from agentree.envs.base import Task
 from agentree.rollout.base import Controller, RolloutStats
 from agentree.tree import EndReason, Tree
@@ -35,12 +44,11 @@ class RayRollouts:
         self.ray = ray
         self.cfg = cfg
         dc = cfg.distributed
-        need = (
-            dc.rollout_workers * dc.worker_cpus
-            + dc.engine_replicas * dc.engine_cpus
-            + dc.scorer_cpus
-        )
-        self.started = connect(dc, num_cpus=need)
+        scorer = scorer_actor_needed(cfg)
+        # a private instance gets room for every actor (its GPUs are known once it runs)
+        most = engine_replicas(dc, cluster_gpus=dc.engine_gpus)
+        need = run_needs(cfg, replicas=most, scorer_actor=scorer, cluster_gpus=0.0)
+        self.started = connect(dc, num_cpus=total(need, "CPU"))
         self.workers: list[Any] = []
         self.replicas: list[Any] = []
         self.scorer_actor: Any = None
@@ -53,6 +61,8 @@ class RayRollouts:
         self._idle: list[int] = []
         self._idle_lock = threading.Condition()
         try:
+            # refused at once, not after start_timeout_s of actors waiting for room
+            self.replica_count = check_cluster(cfg, scorer_actor=scorer)
             self._start(cfg, model, log)
         except BaseException:
             self.close()
@@ -72,7 +82,7 @@ class RayRollouts:
             num_gpus=dc.engine_gpus,
             max_restarts=dc.max_restarts,
         )
-        self.replicas = [replica_cls.remote(data, None) for _ in range(dc.engine_replicas)]
+        self.replicas = [replica_cls.remote(data, None) for _ in range(self.replica_count)]
         self._start_scorer(cfg)
         # rollouts run one at a time; status and close answer beside a running rollout
         worker_cls = ray.remote(concurrency_groups={"control": 2})(RolloutWorker).options(
@@ -93,7 +103,7 @@ class RayRollouts:
             raise RuntimeError(
                 f"Ray actors did not start within {dc.start_timeout_s:.0f}s; the cluster needs "
                 f"{dc.rollout_workers} x {dc.worker_cpus} CPUs for workers and "
-                f"{dc.engine_replicas} x {dc.engine_cpus} CPUs for engines (see `ray status`)"
+                f"{self.replica_count} x {dc.engine_cpus} CPUs for engines (see `ray status`)"
             ) from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(actor_failure(e)) from None
@@ -109,15 +119,9 @@ class RayRollouts:
 
     def _start_scorer(self, cfg: ExperimentConfig) -> None:
         """One actor for a scorer that holds a model (PRM), shared by every worker."""
-        from agentree.rollout.base import make_controller
-        from agentree.scorers.base import scorer_class
-
+        if not scorer_actor_needed(cfg):
+            return
         name, settings = cfg.component("scorer")
-        rollout_name, rollout_kwargs = cfg.component("rollout")
-        if not make_controller(rollout_name, **rollout_kwargs).uses_scorer:
-            return
-        if not scorer_class(name).holds_model:
-            return
         from agentree.distributed.scorer import RemoteScorer, ScorerActor
 
         dc = cfg.distributed

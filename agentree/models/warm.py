@@ -41,6 +41,15 @@ from agentree.models.store import build_once, cache_root, content_key
 from agentree.models.tiny import TinyModelConfig
 
 WARM_ENVS = ("frozenlake", "countdown")
+BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
+    "frozenlake": ("size", "p", "is_slippery"),
+    "countdown": ("min_numbers", "max_numbers", "min_number", "max_number", "max_target"),
+}
+"""Per env, the settings a warm build reads: those that change the tasks the expert plays, its
+episodes or the prompts. The others (turn limit, stop sequences, reward levels) keep their
+defaults in the build, so a run that changes them reuses it; FrozenLake's demonstrations play to
+the default turn limit whatever the run's `max_turns`. An env not listed is built with, and
+keyed on, every setting."""
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
 _DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
 _PREFERENCE = ("Down", "Right", "Up", "Left")
@@ -241,6 +250,22 @@ def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng
 
 
 # -- building ------------------------------------------------------------------------------------
+def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The validated env settings a warm build of `env_name` reads (`BUILD_SETTINGS`)."""
+    from agentree.envs.base import env_class, validate_env_kwargs
+
+    kwargs = validate_env_kwargs(env_class(env_name), env_kwargs)
+    keep = BUILD_SETTINGS.get(env_name)
+    return kwargs if keep is None else {k: v for k, v in kwargs.items() if k in keep}
+
+
+def build_key(env_name: str, env_kwargs: dict[str, Any], base: str, warm: WarmConfig) -> str:
+    """The cache name of a warm build: what determines its weights (the base policy, the env
+    settings the build reads, the warm-start settings), nothing else."""
+    kw = build_settings(env_name, env_kwargs)
+    return content_key({"base": base, "env": env_name, "kw": kw, "warm": warm.model_dump(), "v": 2})
+
+
 def demonstrations(
     env_name: str, env_kwargs: dict[str, Any], warm: WarmConfig
 ) -> list[list[dict[str, str]]]:
@@ -274,7 +299,7 @@ def warm_policy_for_env(
 ) -> Path:
     """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
     the noisy expert."""
-    from agentree.envs.base import env_class, validate_env_kwargs
+    from agentree.envs.base import env_class
     from agentree.models.pretrained import local_policy
     from agentree.models.tiny import tiny_policy_for_env
     from agentree.sft import SFTConfig, run_sft
@@ -285,16 +310,14 @@ def warm_policy_for_env(
             f"{env_name!r}; use policy tiny, or fine-tune one with agentree sft"
         )
     cls = env_class(env_name)
-    kwargs = validate_env_kwargs(cls, env_kwargs)
+    kwargs = build_settings(env_name, env_kwargs)  # all the build below reads
     if warm.base == "tiny":
-        base = tiny_policy_for_env(env_name, env_kwargs, tiny, log=log)
+        base = tiny_policy_for_env(env_name, kwargs, tiny, log=log)
         base_id = base.name
     else:
         base = Path(local_policy(warm.base, log)).resolve()
         base_id = str(base)
-    key = content_key(
-        {"base": base_id, "env": env_name, "kw": kwargs, "warm": warm.model_dump(), "v": 2}
-    )
+    key = build_key(env_name, kwargs, base_id, warm)
 
     def phase(
         start: Path, out: Path, expert: WarmConfig, epochs: int, lr: float, system: str

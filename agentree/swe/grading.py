@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentree.swe.instances import EVAL_R2E, SWEInstance, parse_log_r2e
-from agentree.swe.sandbox import Sandbox, SandboxConfig
+from agentree.swe.sandbox import OutputLost, Sandbox, SandboxConfig
 
 PATCH_PATH = "/tmp/agentree_model.patch"
 APPLY_CMDS = (
@@ -30,6 +30,8 @@ APPLY_CMDS = (
 )
 """SWE-bench's apply cascade (swebench.harness.run_evaluation.GIT_APPLY_CMDS)."""
 LOG_LIMIT = 64 * 1024 * 1024
+GRADE_ATTEMPTS = 3
+"""Gradings of one patch, each in a fresh container, when a command's output is cut."""
 
 
 @dataclass
@@ -66,7 +68,24 @@ def grade(
     config: SandboxConfig | None = None,
     timeout: float = 1800.0,
 ) -> GradeResult:
-    """Apply `patch` to a fresh container of `instance.image`, run its tests, decide resolved."""
+    """Apply `patch` to a fresh container of `instance.image`, run its tests, decide resolved.
+
+    A command whose output was cut in transit (`OutputLost`) is never judged: the grading is
+    done again from a fresh container, and after `GRADE_ATTEMPTS` the error propagates (the
+    episode ends as an env error, not as unresolved).
+    """
+    for attempt in range(GRADE_ATTEMPTS):
+        try:
+            return _grade_once(instance, patch, config, timeout)
+        except OutputLost:
+            if attempt == GRADE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _grade_once(
+    instance: SWEInstance, patch: str, config: SandboxConfig | None, timeout: float
+) -> GradeResult:
     start = time.monotonic()
     cfg = config or SandboxConfig(env=instance.env)
     sb = Sandbox(instance.image, cfg)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import struct
 import tarfile
 import threading
 import time
@@ -30,7 +31,15 @@ from agentree.swe.store import (
     Snapshot,
 )
 
-__all__ = ["ExecResult", "ImageStore", "Sandbox", "SandboxConfig", "SandboxError", "Snapshot"]
+__all__ = [
+    "ExecResult",
+    "ImageStore",
+    "OutputLost",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "Snapshot",
+]
 
 KILL_GRACE_S = 3.0
 """Extra time an exec gets beyond its timeout before the host side kills everything."""
@@ -41,8 +50,12 @@ MAX_ARG = 64 * 1024
 # Runs the command under `timeout` (which SIGKILLs the command's process group), stderr merged
 # into stdout, then kills every other process in the container: after an action returns only
 # its filesystem effects remain, so the filesystem is the whole state and a commit a faithful
-# fork. (Sandbox methods are serialised, so no other action is running.)
-_WRAPPER = r"""if [ -n "$3" ]; then
+# fork. (Sandbox methods are serialised, so no other action is running.) The output is framed by
+# a line with the exec's nonce before the command and one with the nonce and the exit status
+# after it: output that arrives without both was cut in transit, and says so (`OutputLost`)
+# instead of passing for what the command printed.
+_WRAPPER = r"""printf '%s\n' "$4"
+if [ -n "$3" ]; then
   timeout -s KILL "$2" bash -l "$3" 2>&1
 else
   timeout -s KILL "$2" bash -lc "$1" 2>&1
@@ -50,6 +63,7 @@ fi
 rc=$?
 [ -n "$3" ] && rm -f "$3"
 kill -9 -1 2>/dev/null
+printf '\n%s %d\n' "$4" "$rc"
 exit $rc
 """
 
@@ -65,6 +79,53 @@ _STOPPED = re.compile(
 def _container_stopped(text: str) -> bool:
     """Docker's words for an exec that could not start because the container is stopping."""
     return bool(_STOPPED.search(text))
+
+
+class OutputLost(SandboxError):
+    """A command ran but its output did not arrive whole (it must not be read as its output)."""
+
+
+def exec_stream(api: Any, exec_id: str) -> Any:
+    """Start exec `exec_id` attached; an iterator over its output (stdout and stderr frames'
+    payloads, in order) with a `close()` that ends it from another thread.
+
+    docker-py's own `exec_start(stream=True)` loses output under load: the daemon answers with
+    `101 UPGRADED` and then writes the output frames on the same connection; `http.client`
+    reads the headers through a buffered reader that takes up to 8 KiB from the socket, so
+    frames that arrived with the headers sit in that buffer, and docker-py then reads the raw
+    socket beneath it (docker/docker-py#3332): the command's first output, often all of it, is
+    gone while the exit status says success. Here the frames are read through that same
+    buffered reader.
+    """
+    from docker.types import CancellableStream
+
+    res = api._post_json(
+        api._url("/exec/{0}/start", exec_id),
+        headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+        data={"Tty": False, "Detach": False},
+        stream=True,
+    )
+    api._raise_for_status(res)
+    reader = res.raw._fp.fp  # the reader the headers were parsed with (it may hold frames)
+    if not isinstance(reader, io.BufferedReader):  # an SSH channel: docker-py's own reading
+        return CancellableStream(api._read_from_socket(res, stream=True, tty=False), res)
+    api._disable_socket_timeout(reader.raw)  # commands keep their own deadline (`exec`)
+    return CancellableStream(_frames(reader), res)
+
+
+def _frames(reader: Any) -> Any:
+    """Payloads of Docker's multiplexed stream: 8-byte headers (stream, 3 zero bytes, payload
+    length, big-endian) each followed by that many bytes."""
+    while True:
+        header = reader.read(8)
+        if len(header) < 8:
+            return
+        length = struct.unpack(">BxxxL", header)[1]
+        data = reader.read(length) if length else b""
+        if data:
+            yield data
+        if len(data) < length:
+            return
 
 
 @dataclass
@@ -109,63 +170,102 @@ class Sandbox:
         return self._cid is None
 
     # commands ------------------------------------------------------------------------------
-    def exec(self, command: str, timeout: float = 60.0, *, max_output: int = 10_000) -> ExecResult:
+    def exec(
+        self,
+        command: str,
+        timeout: float = 60.0,
+        *,
+        max_output: int = 10_000,
+        read_only: bool = False,
+    ) -> ExecResult:
         """Run `bash -lc command` in the workdir; kill it (and its children) at `timeout`.
 
         Output is stdout and stderr interleaved; beyond `max_output` bytes the middle is
-        replaced by a marker (head and tail kept).
+        replaced by a marker (head and tail kept). Output that did not arrive whole raises
+        `OutputLost`; with `read_only` (the command changes nothing, so running it again is
+        safe) it is first run again, up to `EXEC_ATTEMPTS` times.
         """
         with self._lock:
             api = runtime.client().api
             self._pristine = None
             for attempt in range(EXEC_ATTEMPTS):
+                last = attempt == EXEC_ATTEMPTS - 1
                 try:
-                    res = self._exec(api, command, timeout, max_output)
+                    res, started, whole = self._exec(api, command, timeout, max_output)
                 except SandboxError:
                     raise
                 except Exception as e:
                     stopped = _container_stopped(str(e)) or self._stopped(api)
-                    if not stopped or attempt == EXEC_ATTEMPTS - 1:
+                    if not stopped or last:
                         raise self._error(e) from None
                     self._restart(api)
                     continue
                 # Docker reports an exec that met a dying container as the exec's own output
-                if not (
-                    res.returncode == 126 and (_container_stopped(res.output) or self._stopped(api))
-                ):
-                    return res
-                if attempt < EXEC_ATTEMPTS - 1:
+                stopped = not started and res.returncode == 126
+                if stopped and (_container_stopped(res.output) or self._stopped(api)):
+                    if last:
+                        raise SandboxError(
+                            f"the sandbox container {self._cid and self._cid[:12]} keeps "
+                            f"stopping: {res.output.strip()[:300]}"
+                        )
                     self._restart(api)
-            raise SandboxError(
-                f"the sandbox container {self._cid and self._cid[:12]} keeps stopping: "
-                f"{res.output.strip()[:300]}"
-            )
+                    continue
+                if whole or res.timed_out:
+                    return res
+                if not read_only or last:
+                    raise OutputLost(
+                        f"the output of a command in sandbox {self._cid and self._cid[:12]} was "
+                        f"cut in transit from Docker (exit status {res.returncode}; what "
+                        f"arrived begins {res.output[:120]!r}); it is not taken for the "
+                        "command's output"
+                    )
+            raise AssertionError("unreachable")
 
-    def _exec(self, api: Any, command: str, timeout: float, max_output: int) -> ExecResult:
+    def _exec(
+        self, api: Any, command: str, timeout: float, max_output: int
+    ) -> tuple[ExecResult, bool, bool]:
+        """One exec; also whether the wrapper started (its opening line arrived) and whether
+        the output arrived whole."""
         env = dict(self.config.env)
         script = ""
         if len(command.encode()) > MAX_ARG:
             script = f"/tmp/agentree-cmd-{uuid.uuid4().hex}.sh"
             self.write_file(script, command, mode=0o600)
             command = ""
+        nonce = f"agentree-{uuid.uuid4().hex}"
+        args = [command, f"{max(timeout, 0.1):g}", script, nonce]
         ex = api.exec_create(
             self.container_id,
-            ["sh", "-c", _WRAPPER, "agentree-exec", command, f"{max(timeout, 0.1):g}", script],
+            ["sh", "-c", _WRAPPER, "agentree-exec", *args],
             environment=env,
             workdir=self.config.workdir,
         )
         start = time.monotonic()
-        stream = api.exec_start(ex["Id"], stream=True)
+        stream = exec_stream(api, ex["Id"])
         buf = _HeadTail(max_output)
+        opening = (nonce + "\n").encode()
+        first = bytearray()  # the stream's first bytes until they are known to be the opening
+        opened: list[bool] = []  # [True] once the opening line arrived, [False] if it did not
+
         done = threading.Event()
 
         def pump() -> None:
             try:
                 for chunk in stream:
-                    buf.add(chunk)
+                    if not opened:
+                        first.extend(chunk)
+                        if len(first) < len(opening) and opening.startswith(first):
+                            continue
+                        opened.append(first.startswith(opening))
+                        chunk = bytes(first[len(opening) :] if opened[0] else first)
+                    if chunk:
+                        buf.add(chunk)
             except Exception:  # the stream is closed under us after a forced kill
                 pass
             finally:
+                if not opened:
+                    opened.append(False)
+                    buf.add(bytes(first))
                 done.set()
 
         threading.Thread(target=pump, daemon=True, name="agentree-exec").start()
@@ -181,12 +281,20 @@ class Sandbox:
                 done.wait(2.0)
         elapsed = time.monotonic() - start
         rc = api.exec_inspect(ex["Id"]).get("ExitCode")
+        started = bool(opened and opened[0])
+        closing = buf.take_closing(nonce) if done.is_set() else None
+        if rc is None:
+            rc = closing
+        # Without its closing line the output is whole only if the wrapper itself was killed
+        # (by the command: `kill -9 -1`, `pkill -f` matching it), which it cannot report.
+        whole = started and (closing is not None or (rc is not None and rc >= 128))
         timed_out = forced or (rc in (124, 137) and elapsed >= timeout)
         data, elided = buf.result()
         text = data.decode("utf-8", errors="replace")
         if timed_out and text.endswith("Killed\n"):  # the wrapper shell's job report
             text = text[: -len("Killed\n")]
-        return ExecResult(text, -1 if rc is None else rc, timed_out, elapsed, elided)
+        result = ExecResult(text, -1 if rc is None else rc, timed_out, elapsed, elided)
+        return result, started, whole
 
     def _stopped(self, api: Any) -> bool:
         """The container still exists but is not running (killed, crashed, stopping)."""
@@ -315,6 +423,7 @@ class _HeadTail:
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
+        self.trimmed = False  # bytes between head and tail were dropped
 
     def add(self, data: bytes) -> None:
         self.total += len(data)
@@ -326,6 +435,23 @@ class _HeadTail:
             self.tail += data
             if len(self.tail) > 2 * self.limit:
                 del self.tail[: len(self.tail) - self.limit]
+                self.trimmed = True
+
+    def take_closing(self, nonce: str) -> int | None:
+        """Remove the wrapper's closing line (newline, nonce, exit status, newline) from the end
+        of the stream; the status, or None when the stream does not end with that line."""
+        # the last bytes of the stream: the tail holds at least 64 once trimmed, else the head
+        # and the tail are contiguous
+        end = bytes(self.tail[-96:]) if self.trimmed else (self.head[-96:] + self.tail)[-96:]
+        m = re.search(rb"\n" + re.escape(nonce.encode()) + rb" (\d+)\n\Z", bytes(end))
+        if m is None:
+            return None
+        n = len(m.group(0))
+        from_tail = min(n, len(self.tail))
+        del self.tail[len(self.tail) - from_tail :]
+        del self.head[len(self.head) - (n - from_tail) :]
+        self.total -= n
+        return int(m.group(1))
 
     def result(self) -> tuple[bytes, int]:
         if self.total <= self.limit:

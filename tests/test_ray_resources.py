@@ -1,0 +1,139 @@
+"""Ray fails fast: what a run reserves is compared with the cluster before any actor starts,
+and `distributed.engine_replicas: auto` puts an engine in each worker on CPU-only clusters."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from agentree.config import DistributedConfig, load_config
+from agentree.distributed.cluster import (
+    Need,
+    check_resources,
+    engine_replicas,
+    run_needs,
+    total,
+)
+
+RAY = ["distributed.backend=ray"]
+
+
+def needs(overrides: list[str], *, cluster_gpus: float = 0.0, scorer: bool = False) -> list[Need]:
+    cfg = load_config("frozenlake_patr", overrides=RAY + overrides)
+    replicas = engine_replicas(cfg.distributed, cluster_gpus)
+    return run_needs(cfg, replicas=replicas, scorer_actor=scorer, cluster_gpus=cluster_gpus)
+
+
+def test_auto_engine_replicas_is_an_engine_per_worker_unless_engines_hold_gpus() -> None:
+    assert DistributedConfig().engine_replicas == "auto"
+    auto = DistributedConfig()
+    assert engine_replicas(auto, cluster_gpus=0) == 0
+    assert engine_replicas(auto, cluster_gpus=8) == 0  # engine_gpus 0: engines run on CPU
+    on_gpu = DistributedConfig(engine_gpus=1)
+    assert engine_replicas(on_gpu, cluster_gpus=8) == 1
+    assert engine_replicas(on_gpu, cluster_gpus=0) == 0  # no GPU in the cluster
+    assert engine_replicas(DistributedConfig(engine_replicas=3), cluster_gpus=0) == 3
+    assert DistributedConfig(engine_replicas=0).engine_replicas == 0
+    for bad in (-1, "many"):
+        with pytest.raises(ValidationError):
+            DistributedConfig(engine_replicas=bad)
+
+
+def test_the_default_run_fits_two_one_cpu_nodes() -> None:
+    # 2 workers x 1 CPU, auto -> no replica: 2 CPUs
+    n = needs([])
+    assert total(n, "CPU") == 2.0 and total(n, "GPU") == 0.0
+    check_resources(n, {"CPU": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}])
+
+
+def test_a_run_larger_than_the_cluster_is_refused_in_one_line() -> None:
+    n = needs(["distributed.engine_replicas=1"])  # 2 x 1 + 1 x 1 = 3 CPUs
+    with pytest.raises(ValueError) as e:
+        check_resources(n, {"CPU": 2.0}, [{"CPU": 1.0}, {"CPU": 1.0}])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        "the Ray cluster has 2 CPU in all but this run reserves 3 "
+        "(2 rollout workers x 1 + 1 engine replica x 1); lower distributed.rollout_workers"
+    )
+    assert "distributed.engine_replicas (0: an engine in each worker)" in msg
+
+    # the scorer actor (a PRM) and 2 training ranks: 2 + 0.5 + 2 = 4.5 CPUs
+    n = needs(["distributed.scorer_cpus=0.5", "train.world_size=2"], scorer=True)
+    assert total(n, "CPU") == 4.5
+    with pytest.raises(ValueError, match=r"has 4 CPU in all but this run reserves 4\.5 "):
+        check_resources(n, {"CPU": 4.0})
+    check_resources(n, {"CPU": 4.5})
+
+
+def test_gpus_and_node_sizes_are_checked() -> None:
+    n = needs(["distributed.engine_replicas=2", "distributed.engine_gpus=1"])
+    with pytest.raises(ValueError, match=r"has 1 GPU in all but this run reserves 2 \(2 engine"):
+        check_resources(n, {"CPU": 8.0, "GPU": 1.0})
+    check_resources(n, {"CPU": 8.0, "GPU": 2.0})
+    # 3 CPUs in all, but no node holds a 2-CPU worker
+    n = needs(["distributed.rollout_workers=1", "distributed.worker_cpus=2"])
+    with pytest.raises(ValueError, match=r"each rollout worker reserves 2 CPU but the largest"):
+        check_resources(n, {"CPU": 3.0}, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+    check_resources(n, {"CPU": 3.0}, [{"CPU": 2.0}, {"CPU": 1.0}])
+
+
+@pytest.fixture(scope="module")
+def small_cluster(agentree_cache):
+    """Two nodes of one CPU each (the case from the issue)."""
+    ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
+    from agentree.distributed.cluster import LocalCluster, free_port
+
+    c = LocalCluster(port=free_port(), nodes=2, cpus_per_node=1)
+    saved = dict(os.environ)
+    try:
+        c.start()
+        os.environ.update(c.env())
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+        assert c.pids() == [], "processes of the test cluster were left running"
+
+
+SMALL = ["policy.path=tiny", "engine.max_tokens=6", "env.max_turns=2", "rollout.K=2"]
+
+
+def test_two_one_cpu_nodes_refuse_a_shared_replica_at_once(small_cluster, tiny_frozenlake):
+    from agentree.runtime import Runtime
+
+    cfg = load_config(
+        "frozenlake_patr",
+        overrides=SMALL
+        + RAY
+        + [f"distributed.address={small_cluster.address}", "distributed.engine_replicas=1"],
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        Runtime(cfg, log=lambda _m: None)
+    took = time.monotonic() - t0
+    assert "\n" not in str(e.value)
+    assert "the Ray cluster has 2 CPU in all but this run reserves 3" in str(e.value)
+    assert took < 60, took  # before: start_timeout_s (300 s) of actors waiting for a CPU
+
+
+def test_two_one_cpu_nodes_run_the_default_placement(small_cluster, tiny_frozenlake):
+    """engine_replicas auto on CPU: a worker on each node, each with its own engine."""
+    from agentree.runtime import Runtime
+
+    cfg = load_config(
+        "frozenlake_patr",
+        overrides=SMALL + RAY + [f"distributed.address={small_cluster.address}"],
+    )
+    rt = Runtime(cfg, log=lambda _m: None)
+    try:
+        assert len(rt.cluster.workers) == 2 and rt.cluster.replicas == []
+        assert len(rt.cluster.nodes) == 2
+    finally:
+        rt.close()
