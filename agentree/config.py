@@ -27,6 +27,7 @@ ENV_CONFIGS = {
     "swebench": "swebench_patr",
     "countdown": "countdown_latr",
     "math": "math_treepo",
+    "sokoban": "sokoban_patr",
 }
 """The config `--env NAME` starts from when no `--config` is given."""
 

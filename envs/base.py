@@ -256,6 +256,7 @@ _BUILTIN: dict[str, str] = {
     "swebench": "agentree.envs.swe:SWEEnv",
     "countdown": "agentree.envs.countdown:CountdownEnv",
     "math": "agentree.envs.math:MathEnv",
+    "sokoban": "agentree.envs.sokoban:SokobanEnv",
 }
 _REGISTRY: dict[str, type[Env]] = {}
 

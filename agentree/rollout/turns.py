@@ -159,6 +159,18 @@ class TurnRunner:
             )
         return children
 
+    def branch_at(self, tree: Tree, task: Task, node: int, state: Any) -> Branch:
+        """A new branch continuing from `node` of `tree`, on an env restored to `state` (the
+        snapshot taken when a branch stood at that node): one fork."""
+        env = self._new_env()
+        env.restore(state)
+        self.stats.forks += 1
+        keys = [
+            str(n.info.get("env", {}).get("action_key", " ".join((n.action or "").split())))
+            for n in tree.path(node)[1:]
+        ]
+        return Branch(tree, task, node, env, tree.context_ids(node), keys)
+
     # -- stepping ----------------------------------------------------------------------------
     def generate(self, branches: Sequence[Branch], **overrides: Any) -> list[Completion]:
         params = replace(self.ctx.sampling, **overrides) if overrides else self.ctx.sampling
