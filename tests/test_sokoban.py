@@ -98,3 +98,17 @@ def test_sokoban_scorer_is_one_minus_pushes_left_over_pushes_at_start():
     assert scores[0].value == pytest.approx(1 - 2 / 3)
     assert scores[1].value == 1.0
     assert scores[2].value == 0.0 and scores[2].info["deadlock"]
+
+
+def test_scripted_expert_and_walker_bracket_the_task():
+    from agentree.models.warm import WarmConfig, demonstrations, sokoban_walker_success
+
+    tasks = SokobanEnv.load_tasks(16, split="eval")
+    expert = sokoban_walker_success({}, tasks, samples=2, expert_prob=1.0)
+    walker = sokoban_walker_success({}, tasks, samples=8, expert_prob=0.0)
+    assert expert == 1.0 and 0.0 < walker < 0.6
+    convs = demonstrations("sokoban", {}, WarmConfig(episodes=3, expert_prob=1.0))
+    assert len(convs) == 3
+    for conv in convs:  # user/assistant turns, every action a well-formed move
+        assert conv[0]["role"] == "user" and conv[-1]["role"] == "assistant"
+        assert all(m["content"].startswith("```") for m in conv[1::2])
