@@ -9,6 +9,7 @@ from test_rollout import CountingEnv, FixedScorer, context, task
 from transformers import AutoTokenizer
 
 from agentree.advantages import compute_advantages
+from agentree.envs import Task
 from agentree.rollout.base import make_controller
 from agentree.tree import EndReason
 
@@ -113,7 +114,31 @@ def test_tsr_lookahead_judges_candidates_by_the_state_after_depth_turns(tokenize
 
 def test_tsr_instance_filtering_drops_uniform_groups(tokenizer):
     scorer = last_action({"right": 0.5, "down": 0.9})
+    # Down is preferred. Task 0: every trajectory goes Down twice and stops at the turn limit
+    # (all reward 0); task 1: the goal is two moves down, so both reach it (all reward 1) ...
+    goal = ["SFFF", "FFFF", "GFFF", "FFFF"]
+    tasks = [task(), Task("goal", options={"desc": goal})]
     ctx = context(tokenizer, by_index("Right", "Down"), scorer, max_turns=2)
-    (tree,), _ = make_controller("tsr", G=2, N=2, filter=True).rollout([task()], ctx)
-    assert make_controller("tsr", G=2, N=2, filter=True).group(tree) == []
-    assert len(make_controller("tsr", G=2, N=2).group(tree)) == 2
+    ctrl = make_controller("tsr", G=2, N=2, filter=True)
+    trees, stats = ctrl.rollout(tasks, ctx)
+    # ... both uniform: a batch with nothing left would train on nothing, so both are kept
+    assert [len(ctrl.group(t)) for t in trees] == [2, 2]
+    assert [t.reward for t in ctrl.group(trees[1])] == [1.0, 1.0]
+    # with equal scores each pool keeps its first candidate, and the candidates alternate
+    # (Right, Down) / (Down, Right) between the two trajectories of a task: on the goal maps
+    # one trajectory goes Down twice (reward 1) and the other Right twice (0)
+    ctx = context(
+        tokenizer,
+        by_index("Right", "Down", "Down", "Right"),
+        FixedScorer(lambda p: 0.5),
+        max_turns=2,
+    )
+    mixed = Task("mixed", options={"desc": goal})
+    trees, stats = ctrl.rollout([*tasks, mixed], ctx)
+    assert [sorted(t.reward for t in ctrl._kept(tree)) for tree in trees] == [
+        [0.0, 0.0],
+        [0.0, 1.0],
+        [0.0, 1.0],
+    ]
+    assert [len(ctrl.group(t)) for t in trees] == [0, 2, 2]
+    assert stats.extra["filtered"] == 1

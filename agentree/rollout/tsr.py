@@ -15,7 +15,8 @@ training trajectory continues with. The optimiser is unchanged; only the traject
   branches and count as env steps; the trajectory continues from the candidate itself).
 
 Instance filtering (§3.3): with `filter: true` a task whose trajectories all have the same
-reward is left out of the update (`group` returns nothing for it). Where the paper is silent:
+reward is left out of the update (`group` returns nothing for it; `rollout/filtered` counts
+them), unless every task of the batch is such a task, when all are kept. Where the paper is silent:
 ties go to the earlier candidate; a candidate the scorer cannot score ranks last; a candidate
 that ends the episode is scored like any other (the scorers give a solved state 1).
 """
@@ -79,6 +80,12 @@ class TSR(Controller):
                 ctx.report(f"{self.name}: turn {turn}, {sum(map(len, pools))} live")
         for tree in trees:
             tree.meta.update({"controller": self.name, "config": cfg.model_dump()})
+        if cfg.filter:
+            uniform = [len({t.reward for t in self._kept(tree)}) <= 1 for tree in trees]
+            if not all(uniform):  # a batch with nothing left would leave nothing to train on
+                for tree, u in zip(trees, uniform, strict=True):
+                    tree.meta["filtered"] = u
+            stats.extra["filtered"] = float(sum(uniform)) if not all(uniform) else 0.0
         stats.trajectories = sum(len(self.group(t)) for t in trees)
         stats.wall_s = time.perf_counter() - t0
         return trees, stats
@@ -162,12 +169,13 @@ class TSR(Controller):
                     node.info["rejected"] = True
         return scores
 
-    def group(self, tree: Tree) -> list[Trajectory]:
-        trajs = [
+    @staticmethod
+    def _kept(tree: Tree) -> list[Trajectory]:
+        return [
             t
             for t in tree.trajectories(include_pruned=False)
             if not tree.nodes[t.leaf].info.get("rejected")
         ]
-        if self.config.filter and len({t.reward for t in trajs}) <= 1:
-            return []
-        return trajs
+
+    def group(self, tree: Tree) -> list[Trajectory]:
+        return [] if tree.meta.get("filtered") else self._kept(tree)
