@@ -322,11 +322,11 @@ def gigpo_advantages(
 ) -> list[list[float]]:
     """GiGPO (Feng et al., NeurIPS 2025): episode-level plus anchor-state step-level advantages.
 
-    Episode level (GiGPO Eq. 4): A^E(tau_i) = (R(tau_i) - mean_j R(tau_j)) / F_norm over the
-    task's group. Step level (Eq. 6-8): every turn is a row (anchor state s, action, discounted
-    return R_t = sum_k gamma^(k-t) r_k with `step_gamma`); rows whose anchor states are equal
-    form one step group G^S(s), and A^S = (R_t - mean_{G^S(s)} R) / F_norm. The turn's tokens
-    get A = episode_weight * A^E + step_weight * A^S (Eq. 9, omega = step_weight).
+    Episode level: A^E(tau_i) = (R(tau_i) - mean_j R(tau_j)) / F_norm over the task's group.
+    Step level: every turn is a row (anchor state s, action, discounted return
+    R_t = sum_k gamma^(k-t) r_k with `step_gamma`); rows whose anchor states are equal form
+    one step group G^S(s), and A^S = (R_t - mean_{G^S(s)} R) / F_norm. The turn's tokens
+    get A = episode_weight * A^E + step_weight * A^S (the paper's omega is step_weight).
 
     F_norm is 1 with `norm: mean` (verl-agent's default `mean_norm`, which its example scripts
     use) or the sample std + eps with `norm: std` (`mean_std_norm`). As verl-agent computes it,
@@ -423,7 +423,7 @@ def rtmc_advantages(
 def treegrpo_advantages(
     tree: Tree, trajectories: Sequence[Trajectory], *, eps: float = 1e-6
 ) -> list[list[float]]:
-    """Tree-GRPO (arXiv 2509.21240, Eq. 7-9): intra-tree plus inter-tree group advantages.
+    """Tree-GRPO (arXiv 2509.21240): intra-tree plus inter-tree group-relative advantages.
 
     A_i = A_intra(i) + A_inter(i), each the GRPO advantage (r - mean) / (std + eps): inter over
     all of the task's trajectories, intra over the trajectories of i's own tree. The task's M

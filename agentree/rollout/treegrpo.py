@@ -1,4 +1,4 @@
-"""Tree-GRPO: agent-step tree search for rollouts (Ji et al., arXiv 2509.21240, §3.1, Alg. 1).
+"""Tree-GRPO: agent-step tree search for rollouts (Ji et al., arXiv 2509.21240).
 
 Initialization: M independent chains per task, each the first path of its own tree. Sampling:
 from each tree, N non-leaf nodes chosen uniformly at random. Expansion: each chosen node p is
@@ -7,7 +7,7 @@ snapshotted when the chain stood at p), and the new branch is inserted under p. 
 expansion repeat L times, so every tree ends with 1 + L * N trajectories and the task's group
 with M (1 + L N). A node is one agent step (action and observation), as in the paper.
 
-The paper's advantage (Eq. 7-9) is the sum of the intra-tree and inter-tree GRPO advantages:
+The paper's advantage is the sum of the intra-tree and inter-tree GRPO advantages:
 set `train.advantage=treegrpo` (agentree's M trees hang below one root, a tree being the
 trajectories sharing their first turn). Where the paper is silent: a tree with fewer than N
 non-leaf nodes expands all of them; the root (the prompt) is never expanded, so the M trees

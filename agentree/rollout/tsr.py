@@ -1,4 +1,4 @@
-"""TSR: trajectory-search rollouts (Djuhera et al., arXiv 2602.11767, §3).
+"""TSR: trajectory-search rollouts (Djuhera et al., arXiv 2602.11767).
 
 Search moves from inference to the rollout stage: at every turn the policy proposes several
 candidate actions, each is stepped in a fork of the current env state, and the task scorer
@@ -14,7 +14,7 @@ training trajectory continues with. The optimiser is unchanged; only the traject
   sampled turns taken in a fork of it (the look-ahead turns stay in the tree as pruned
   branches and count as env steps; the trajectory continues from the candidate itself).
 
-Instance filtering (§3.3): with `filter: true` a task whose trajectories all have the same
+Instance filtering: with `filter: true` a task whose trajectories all have the same
 reward is left out of the update (`group` returns nothing for it; `rollout/filtered` counts
 them), unless every task of the batch is such a task, when all are kept. Where the paper is silent:
 ties go to the earlier candidate; a candidate the scorer cannot score ranks last; a candidate
