@@ -1,7 +1,8 @@
 """Advantage estimators: a rollout group's outcome rewards -> per-token advantages.
 
 `group_normalized` returns one scalar per trajectory. The tree estimators return, for each
-trajectory, a list aligned with `Trajectory.token_ids` that is 0.0 wherever `loss_mask` is 0.
+trajectory, a list aligned with `Trajectory.token_ids` that is 0.0 wherever `loss_mask` is 0;
+the turn-level ones (GiGPO, RTMC) give each turn's policy tokens that turn's advantage.
 `compute_advantages` is the one entry point a trainer needs: it returns per-token lists for
 every trajectory of every tree, broadcasting scalar advantages onto policy tokens.
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from agentree.tree import Trajectory, Tree
+from agentree.tree import Node, Trajectory, Tree
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -221,6 +223,227 @@ def treerl_advantages(tree: Tree, trajectories: Sequence[Trajectory]) -> list[li
     return [_per_segment(r, t) for t in trajectories]
 
 
+# -- turn-level rows: GiGPO, RTMC -----------------------------------------------------------
+StateKey = Literal["env", "observation"]
+
+
+def node_state_key(tree: Tree, node_id: int, source: StateKey = "env") -> str:
+    """The environment state a node's turn ended in, as a comparable string.
+
+    `env`: the key the env stated through `Env.state_key()` (recorded at rollout time as
+    `node.info["state_key"]`), falling back to the observation text where the env states none;
+    `observation`: always the observation text, as verl-agent's text envs key anchor states.
+    """
+    node = tree.nodes[node_id]
+    if source == "env" and node.info.get("state_key") is not None:
+        return str(node.info["state_key"])
+    return node.observation or ""
+
+
+def _action_key(node: Node) -> str:
+    env_info = node.info.get("env")
+    if isinstance(env_info, dict) and env_info.get("action_key") is not None:
+        return str(env_info["action_key"])
+    return " ".join((node.action or "").split())
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One turn of one trajectory: the unit GiGPO and RTMC assign advantages to."""
+
+    traj: int
+    node: int
+    anchor: str
+    """Key of the state the action was taken from (its parent node's state)."""
+    action: str
+    ret: float
+    """Discounted return from this step: r_t + gamma r_{t+1} + ..."""
+
+
+def step_rows(
+    tree: Tree, trajectories: Sequence[Trajectory], *, gamma: float, source: StateKey = "env"
+) -> list[StepRow]:
+    """Every (trajectory, turn) of a group, in order, with its anchor state and return.
+
+    A turn shared by several trajectories of a tree is one row per trajectory, as the same
+    rollouts drawn flat would give; its return depends on the trajectory's own future.
+    """
+    rows: list[StepRow] = []
+    for i, t in enumerate(trajectories):
+        turns = t.nodes[1:]
+        returns = [0.0] * len(turns)
+        running = 0.0
+        for k in range(len(turns) - 1, -1, -1):
+            running = tree.nodes[turns[k]].reward + gamma * running
+            returns[k] = running
+        for n, g in zip(turns, returns, strict=True):
+            anchor = node_state_key(tree, tree.nodes[n].parent or 0, source)
+            rows.append(StepRow(i, n, anchor, _action_key(tree.nodes[n]), g))
+    return rows
+
+
+def _normalise_groups(
+    values: Sequence[float], keys: Sequence[Any], *, norm: str, eps: float, single_mean: bool
+) -> list[float]:
+    """x - mean(group), optionally / (sample std + eps), over rows grouped by key.
+
+    A group of one row has mean `x` itself (single_mean=True: advantage 0) or 0 (False: the
+    value as it is), and std 1, as verl-agent's GiGPO treats singletons at step and episode
+    level respectively. All-equal groups give exact zeros.
+    """
+    groups: dict[Any, list[int]] = defaultdict(list)
+    for i, k in enumerate(keys):
+        groups[k].append(i)
+    out = [0.0] * len(values)
+    for idx in groups.values():
+        xs = [values[i] for i in idx]
+        if len(xs) == 1:
+            out[idx[0]] = 0.0 if single_mean else xs[0]
+            continue
+        if max(xs) == min(xs):
+            continue
+        mu, sd = _mean(xs), _std(xs)
+        for i in idx:
+            out[i] = values[i] - mu if norm == "mean" else (values[i] - mu) / (sd + eps)
+    return out
+
+
+def gigpo_advantages(
+    tree: Tree,
+    trajectories: Sequence[Trajectory],
+    *,
+    step_gamma: float = 0.95,
+    episode_weight: float = 1.0,
+    step_weight: float = 1.0,
+    norm: Literal["mean", "std"] = "mean",
+    episode_stats: Literal["steps", "trajectories"] = "steps",
+    state_key: StateKey = "env",
+    eps: float = 1e-6,
+) -> list[list[float]]:
+    """GiGPO (Feng et al., NeurIPS 2025): episode-level plus anchor-state step-level advantages.
+
+    Episode level: A^E(tau_i) = (R(tau_i) - mean_j R(tau_j)) / F_norm over the task's group.
+    Step level: every turn is a row (anchor state s, action, discounted return
+    R_t = sum_k gamma^(k-t) r_k with `step_gamma`); rows whose anchor states are equal form
+    one step group G^S(s), and A^S = (R_t - mean_{G^S(s)} R) / F_norm. The turn's tokens
+    get A = episode_weight * A^E + step_weight * A^S (the paper's omega is step_weight).
+
+    F_norm is 1 with `norm: mean` (verl-agent's default `mean_norm`, which its example scripts
+    use) or the sample std + eps with `norm: std` (`mean_std_norm`). As verl-agent computes it,
+    the episode mean/std are taken over the group's step rows (`episode_stats: steps`, each
+    trajectory weighted by its number of turns); `trajectories` takes them over trajectories as
+    the paper's equation is written. A step group of one row gets A^S = 0; an episode group of
+    one row gets A^E = R (mean 0, std 1), as in verl-agent. Anchor states are keyed by
+    `state_key` (see `node_state_key`), within this tree's group only.
+    """
+    _check_group(tree, trajectories)
+    rows = step_rows(tree, trajectories, gamma=step_gamma, source=state_key)
+    if not rows:
+        return [[0.0] * len(t.token_ids) for t in trajectories]
+    rewards = [t.reward for t in trajectories]
+    if episode_stats == "steps":
+        episode = _normalise_groups(
+            [rewards[r.traj] for r in rows], [0] * len(rows), norm=norm, eps=eps, single_mean=False
+        )
+    else:
+        per_traj = _normalise_groups(
+            rewards, [0] * len(rewards), norm=norm, eps=eps, single_mean=False
+        )
+        episode = [per_traj[r.traj] for r in rows]
+    step = _normalise_groups(
+        [r.ret for r in rows], [r.anchor for r in rows], norm=norm, eps=eps, single_mean=True
+    )
+    per_node: list[dict[int, float]] = [{} for _ in trajectories]
+    for r, ae, as_ in zip(rows, episode, step, strict=True):
+        per_node[r.traj][r.node] = episode_weight * ae + step_weight * as_
+    return [_per_segment(d, t) for d, t in zip(per_node, trajectories, strict=True)]
+
+
+def rtmc_advantages(
+    tree: Tree,
+    trajectories: Sequence[Trajectory],
+    *,
+    gamma: float = 1.0,
+    signature: Literal["state", "history"] = "state",
+    prior: float = 0.0,
+    state_key: StateKey = "env",
+) -> list[list[float]]:
+    """RTMC, rollout-tree Monte Carlo (arXiv 2604.11037): A(s, a) = Q(s, a) - V(s), no critic.
+
+    Rollouts of one task that pass through the same state signature s are pooled: Q(s, a) is
+    the first-visit Monte Carlo mean of the return from step t over the rows that took action
+    signature a at s, V(s) the first-visit mean over all rows at s (the visit-weighted mean of
+    Q); each turn's tokens get Q(s, a) - V(s). A state met by one rollout only gives 0.
+
+    Signatures: `state` keys s by the env's state key (`state_key()`; Markov envs such as
+    FrozenLake and Sokoban); `history` keys it by the sequence of (state, action) signatures
+    that led there, the paper's compressed interaction history. Actions are keyed by the env's
+    `action_key` (else the whitespace-normalised action text). With `prior` = c > 0, Q is
+    shrunk towards V as a Bayesian prior of c pseudo-visits: (n Q + c V) / (n + c).
+    Departures: no code is public; the paper's signature system is designed for SWE tool calls,
+    where these keys stand in for it, and the prior's form and default (off) are ours.
+    """
+    _check_group(tree, trajectories)
+    rows = step_rows(tree, trajectories, gamma=gamma, source=state_key)
+    sig: list[Any] = []
+    history: dict[int, tuple] = {}
+    for r in rows:
+        if signature == "history":
+            prev = tree.nodes[r.node].parent
+            h = history.get(r.traj, ()) if prev != tree.root.id else ()
+            sig.append((*h, r.anchor))
+            history[r.traj] = (*h, r.anchor, r.action)
+        else:
+            sig.append(r.anchor)
+    q_sum: dict[Any, float] = defaultdict(float)
+    q_n: dict[Any, int] = defaultdict(int)
+    v_sum: dict[Any, float] = defaultdict(float)
+    v_n: dict[Any, int] = defaultdict(int)
+    seen_sa: set[tuple[int, Any, str]] = set()
+    seen_s: set[tuple[int, Any]] = set()
+    for r, s in zip(rows, sig, strict=True):
+        if (r.traj, s) not in seen_s:  # first visit of s in this rollout
+            seen_s.add((r.traj, s))
+            v_sum[s] += r.ret
+            v_n[s] += 1
+        if (r.traj, s, r.action) not in seen_sa:
+            seen_sa.add((r.traj, s, r.action))
+            q_sum[(s, r.action)] += r.ret
+            q_n[(s, r.action)] += 1
+    per_node: list[dict[int, float]] = [{} for _ in trajectories]
+    for r, s in zip(rows, sig, strict=True):
+        v = v_sum[s] / v_n[s]
+        n = q_n[(s, r.action)]
+        q = (q_sum[(s, r.action)] + prior * v) / (n + prior)
+        per_node[r.traj][r.node] = q - v
+    return [_per_segment(d, t) for d, t in zip(per_node, trajectories, strict=True)]
+
+
+# -- Tree-GRPO ------------------------------------------------------------------------------
+def treegrpo_advantages(
+    tree: Tree, trajectories: Sequence[Trajectory], *, eps: float = 1e-6
+) -> list[list[float]]:
+    """Tree-GRPO (arXiv 2509.21240): intra-tree plus inter-tree group-relative advantages.
+
+    A_i = A_intra(i) + A_inter(i), each the GRPO advantage (r - mean) / (std + eps): inter over
+    all of the task's trajectories, intra over the trajectories of i's own tree. The task's M
+    trees hang below one agentree root, so a Tree-GRPO tree is the set of trajectories sharing
+    their first turn (`--rollout tree-grpo` never expands the root); under a flat rollout every
+    intra group is a single trajectory and this is GRPO.
+    """
+    _check_group(tree, trajectories)
+    rewards = [t.reward for t in trajectories]
+    inter = group_normalized(rewards, eps=eps)
+    by_tree: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajectories):
+        by_tree[t.nodes[1] if len(t.nodes) > 1 else -1].append(i)
+    intra = [0.0] * len(trajectories)
+    for idx in by_tree.values():
+        for i, a in zip(idx, group_normalized([rewards[i] for i in idx], eps=eps), strict=True):
+            intra[i] = a
+    return [_broadcast(a + b, t) for a, b, t in zip(inter, intra, trajectories, strict=True)]
+
+
 # -- dispatcher -----------------------------------------------------------------------------
 def _grpo(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
     out = []
@@ -263,13 +486,43 @@ def _treerl(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw:
     return [treerl_advantages(tree, trajs, **kw) for tree, trajs in zip(trees, groups, strict=True)]
 
 
-_DISPATCH = {"grpo": _grpo, "treepo": _treepo, "treerl": _treerl}
+def _per_tree(fn: Any) -> Any:
+    def run(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
+        return [fn(tree, trajs, **kw) for tree, trajs in zip(trees, groups, strict=True)]
+
+    return run
+
+
+_DISPATCH = {
+    "grpo": _grpo,
+    "treepo": _treepo,
+    "treerl": _treerl,
+    "gigpo": _per_tree(gigpo_advantages),
+    "rtmc": _per_tree(rtmc_advantages),
+    "treegrpo": _per_tree(treegrpo_advantages),
+}
 ESTIMATORS = tuple(_DISPATCH)
 
 ADVANTAGE_OPTIONS: dict[str, dict[str, tuple[str, ...] | type]] = {
     "grpo": {"eps": float, "scale": ("std", "none")},
     "treepo": {"eps": float, "norm": TREEPO_NORMS, "distinct_subgroups": bool},
     "treerl": {},
+    "gigpo": {
+        "step_gamma": float,
+        "episode_weight": float,
+        "step_weight": float,
+        "norm": ("mean", "std"),
+        "episode_stats": ("steps", "trajectories"),
+        "state_key": ("env", "observation"),
+        "eps": float,
+    },
+    "rtmc": {
+        "gamma": float,
+        "signature": ("state", "history"),
+        "prior": float,
+        "state_key": ("env", "observation"),
+    },
+    "treegrpo": {"eps": float},
 }
 """Each estimator's keyword options: a type, or the tuple of allowed values."""
 
@@ -304,7 +557,8 @@ def compute_advantages(
     """Per-token advantages `out[k][i][t]` for token t of trajectory i of tree k.
 
     `name` is one of `grpo` (group-normalised outcome over each tree's group, PATR Eq. 9),
-    `treepo` or `treerl`; `kw` are that estimator's options, listed in `ADVANTAGE_OPTIONS`.
+    `treepo`, `treerl`, `gigpo`, `rtmc` or `treegrpo`; `kw` are that estimator's options,
+    listed in `ADVANTAGE_OPTIONS`. gigpo and rtmc give each turn its own advantage.
     """
     check_advantage_options(name, kw)
     if len(trees) != len(trajectories_by_tree):

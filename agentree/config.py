@@ -27,6 +27,7 @@ ENV_CONFIGS = {
     "swebench": "swebench_patr",
     "countdown": "countdown_latr",
     "math": "math_treepo",
+    "sokoban": "sokoban_patr",
 }
 """The config `--env NAME` starts from when no `--config` is given."""
 
@@ -126,11 +127,16 @@ class TrainConfig(_Section):
     """Clamp log(pi/pi_old) to +-this before exp (verl: 20), for stale data; null disables."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """token-mean (DAPO) or seq-mean (GRPO)."""
-    advantage: Literal["grpo", "treepo", "treerl"] = "grpo"
-    """grpo: outcome reward normalised over the tree's group (PATR Eq. 9)."""
+    advantage: Literal["grpo", "treepo", "treerl", "gigpo", "rtmc", "treegrpo"] = "grpo"
+    """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
+    anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;
+    treegrpo: intra- plus inter-tree GRPO (see `agentree.advantages`)."""
     advantage_options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, e.g. treepo {norm: batch|batch-std|tree-std|none,
-    distinct_subgroups: bool, eps}; grpo {eps} (its std scaling is `adv_scale`)."""
+    distinct_subgroups: bool, eps}; grpo {eps} (its std scaling is `adv_scale`); gigpo
+    {step_gamma: 0.95, episode_weight: 1, step_weight: 1, norm: mean|std, episode_stats:
+    steps|trajectories, state_key: env|observation, eps}; rtmc {gamma: 1, signature:
+    state|history, prior: 0, state_key}; treegrpo {eps}."""
     adv_scale: Literal["std", "none"] = "std"
     """Divide group advantages by the group std (GRPO) or not (Dr. GRPO)."""
     dynamic_sampling: bool = False

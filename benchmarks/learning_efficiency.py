@@ -1,27 +1,43 @@
 """Do trees learn faster? Held-out success against rollout budget, from the warm-started policy.
 
-FrozenLake (`--case frozenlake`): `patr`, `tree-random`, `grpo` and `arpo` trained from the
-warm-started tiny policy (`policy.path: tiny-warm`, the default run's policy) on the same maps,
-each with its group shaped to draw about the same env steps per optimiser step (flat GRPO's
-G equals PATR's typical group size; ARPO's budget likewise). Plotted: held-out success against
-cumulative env steps and against training wall time, mean and spread over seeds, with the
-random-valid-move walker on the same held-out maps as a line.
+FrozenLake 4x4 (`--case frozenlake`) and Sokoban 6x6 with one box (`--case sokoban`, or
+`--env sokoban`): `patr`, `tree-random`, `grpo`, `arpo`, `gigpo` (GiGPO's advantage over flat
+groups, as published), `tree-grpo` (Tree-GRPO's tree and intra+inter-tree advantage), `tsr`
+(TSR's beam search, optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's advantage),
+trained from the env's warm-started tiny policy (`policy.path: tiny-warm`) on the same maps.
+
+Budgets are matched in env steps per optimiser step, not in group sizes: each case has a
+nominal budget B of env steps per task and an estimate E of the warm policy's episode length
+(turns per trajectory), and every method's group is sized to spend about B per task
+(`sized_methods`: flat methods G = B / E; Tree-GRPO M chains plus M N half-length
+expansions, M = B / (E (1 + N L / 2)); TSR's beam W beams x N candidates per turn, W = B /
+(N E); PATR's default tree is what B was measured from). A static sizing cannot hit B exactly
+(episodes end early or late), so the summary reports the env steps each method actually drew
+per step, and budgets are compared on the x axis: `env_steps_to_grpo_final` is the cumulative
+env steps at which a method's seed-mean held-out curve first reaches flat GRPO's final value.
 
 Countdown (`--case countdown`): the token-level samplers `latr`, `treepo`, `eptree` against flat
 `grpo`: held-out accuracy and pass@k against cumulative forward tokens (sampled plus prefilled).
 
 Every (method, seed) is an ordinary `agentree train` run in a fresh process under
-`DIR/<case>/<method>/seed<N>`; a finished run is reused, so an interrupted benchmark resumes.
+`DIR/<case>/<method>/seed<N>`; a finished run (its `summary.json`) is reused and an
+unfinished one is started again, so an interrupted benchmark resumes where it stopped.
+Seeds change the training and held-out maps and the sampling; the warm start is the same
+build for every seed, so per-seed results pair up across methods.
 
-    python benchmarks/learning_efficiency.py --seeds 0 1 2 --out DIR                # frozenlake
-    python benchmarks/learning_efficiency.py --seeds 0 1 2 --out DIR --case countdown
-    python benchmarks/learning_efficiency.py --seeds 0 --out DIR --steps 10 --eval-tasks 8
+    python benchmarks/learning_efficiency.py --seeds 0 1 2 3 4 --out DIR             # frozenlake
+    python benchmarks/learning_efficiency.py --seeds 0 1 2 3 4 --out DIR --env sokoban
+    python benchmarks/learning_efficiency.py --seeds 0 --out DIR --steps 2 --eval-every 1 \
+        --eval-tasks 4 --methods grpo gigpo                                             # smoke
 
-Writes `DIR/summary.json` (FrozenLake; `DIR/countdown_summary.json` for Countdown):
+Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 {"methods": {name: {"final_success": mean over seeds of the last held-out success,
-"env_steps_to_grpo_final": env steps (tokens for Countdown) at which the seed-mean held-out
-curve first reaches flat GRPO's final mean, or null}}}, the PNG curves `DIR/<case>_curves.png`,
-and `DIR/<case>_details.json` with the per-seed curves and the walker's figure.
+"final_success_se": its standard error over seeds, "env_steps_to_grpo_final": env steps
+(tokens for Countdown) at which the seed-mean held-out curve first reaches flat GRPO's final
+mean, or null, "pass_at_4", "env_steps_per_step", "forks", "wall_s", "seeds"}},
+"paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
+and wins/ties/losses}}, the PNG curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
+with the per-seed curves and the walker's figure.
 """
 
 from __future__ import annotations
@@ -37,18 +53,62 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# Per-method settings on top of the case's base config. Budgets: PATR's default tree
-# (B0=4, M=2, top-k=2, 10 turns) spends 22-35 env steps per 4x4 task from the warm policy
-# (measured: 5-6 leaves of ~5.4 turns), so flat GRPO and ARPO draw G=6 trajectories.
+
+def sized_methods(budget: int, turns: float) -> dict[str, list[str]]:
+    """Each method's CLI settings, sized to spend about `budget` env steps per task when a
+    trajectory takes about `turns` turns (see the module docstring for the formulas)."""
+    g = max(2, round(budget / turns))
+    n, steps = 2, 1  # Tree-GRPO: N expansions per tree per iteration, L iterations
+    m = max(1, round(budget / (turns * (1 + n * steps / 2))))
+    width = max(1, round(budget / (2 * turns)))  # TSR beam: 2 candidates per beam and turn
+    flat = ["--rollout", "grpo", "--set", f"rollout.G={g}"]
+    return {
+        "patr": [],
+        "tree-random": ["--rollout", "tree-random"],
+        "grpo": flat,
+        "arpo": ["--rollout", "arpo", "--set", f"rollout.G={g}"],
+        "gigpo": [*flat, "--set", "train.advantage=gigpo"],
+        "tree-grpo": [
+            "--rollout",
+            "tree-grpo",
+            "--set",
+            f"rollout.M={m}",
+            "--set",
+            f"rollout.N={n}",
+            "--set",
+            f"rollout.L={steps}",
+            "--set",
+            "train.advantage=treegrpo",
+        ],
+        "tsr": [
+            "--rollout",
+            "tsr",
+            "--set",
+            "rollout.mode=beam",
+            "--set",
+            f"rollout.width={width}",
+            "--set",
+            "rollout.N=2",
+        ],
+        "patr+gigpo": ["--set", "train.advantage=gigpo"],
+    }
+
+
+# Budgets: PATR's default tree (B0=4, M=2, top-k=2, 10 turns) spends 22-35 env steps per 4x4
+# task from the warm policy (measured: 5-6 leaves of ~5.4 turns), hence B = 32 and E = 5.4
+# (flat G = 6). Sokoban: 12 turns, and the warm policy's episodes run longer.
 CASES: dict[str, dict[str, Any]] = {
     "frozenlake": {
         "config": "frozenlake_patr",
-        "methods": {
-            "patr": [],
-            "tree-random": ["--rollout", "tree-random"],
-            "grpo": ["--rollout", "grpo", "--set", "rollout.G=6"],
-            "arpo": ["--rollout", "arpo", "--set", "rollout.G=6"],
-        },
+        "budget_per_task": 32,
+        "turns": 5.4,
+        "budget": "rollout/env_steps",
+        "xlabel": "env steps",
+    },
+    "sokoban": {
+        "config": "sokoban_patr",
+        "budget_per_task": 48,
+        "turns": 8.0,
         "budget": "rollout/env_steps",
         "xlabel": "env steps",
     },
@@ -70,6 +130,14 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def methods_of(case: str, args: argparse.Namespace) -> dict[str, list[str]]:
+    spec = CASES[case]
+    if "methods" in spec:
+        return spec["methods"]
+    budget = args.budget or spec["budget_per_task"]
+    return sized_methods(budget, args.turns or spec["turns"])
+
+
 def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespace) -> Path:
     """`agentree train` for one (method, seed); reuses a finished run."""
     run = out / case / method / f"seed{seed}"
@@ -81,7 +149,7 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         shutil.rmtree(run)
     spec = CASES[case]
     cmd = [sys.executable, "-m", "agentree", "train", "--config", spec["config"]]
-    cmd += spec["methods"][method]
+    cmd += methods_of(case, args)[method]
     for item in spec.get("env", []):
         cmd += ["--set", item]
     cmd += ["--policy", "tiny-warm", "--steps", str(args.steps), "--output", str(run)]
@@ -104,30 +172,41 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
     return run
 
 
-def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, list[float]]:
-    """Held-out points of a run: step, cumulative budget, cumulative train wall, success."""
+def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
+    """Held-out points of a run (step, cumulative budget and train wall, success, pass@k)
+    and its totals: env steps, forks, optimiser steps, train wall time."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     keys = (budget,) if isinstance(budget, str) else budget
     spent, wall = {0: 0.0}, {0: 0.0}
-    total = seconds = 0.0
+    total = seconds = env_steps = forks = 0.0
+    steps = 0
     for r in rows:
         if "time/step_s" in r:
             total += sum(float(r.get(k, 0.0)) for k in keys)
             seconds += float(r["time/step_s"])
+            env_steps += float(r.get("rollout/env_steps", 0.0))
+            forks += float(r.get("rollout/forks", 0.0))
+            steps += 1
             spent[r["step"]], wall[r["step"]] = total, seconds
-    curve: dict[str, list[float]] = {"step": [], "budget": [], "wall_s": [], "success": []}
+    curve: dict[str, Any] = {"step": [], "budget": [], "wall_s": [], "success": []}
     curve["pass_at_k"] = []
     for r in rows:
         if "eval/success_rate" in r:
             curve["step"].append(r["step"])
-            curve["budget"].append(spent[r["step"]])
-            curve["wall_s"].append(wall[r["step"]])
+            curve["budget"].append(spent.get(r["step"], total))
+            curve["wall_s"].append(wall.get(r["step"], seconds))
             curve["success"].append(r["eval/success_rate"])
             curve["pass_at_k"].append(r["eval/pass_at_k"])
+    curve["totals"] = {
+        "env_steps": env_steps,
+        "forks": forks,
+        "steps": steps,
+        "wall_s": seconds,
+    }
     return curve
 
 
-def mean_curve(curves: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+def mean_curve(curves: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Pointwise mean (and spread) over seeds, on the eval steps all seeds share."""
     n = min(len(c["step"]) for c in curves)
     out: dict[str, list[float]] = {"step": curves[0]["step"][:n]}
@@ -146,23 +225,59 @@ def first_reach(curve: dict[str, list[float]], target: float) -> float | None:
     return None
 
 
-def summarise(case: str, seeds: list[int], out: Path, baseline: float | None) -> dict:
+def mean_se(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and standard error of the mean (sample std / sqrt(n); None for one value)."""
+    mu = statistics.fmean(xs)
+    return mu, (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None)
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, Any]:
+    """Per-seed differences a - b (same seeds: same warm start and held-out maps)."""
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    mu, se = mean_se(diffs)
+    return {
+        "diffs": diffs,
+        "mean": mu,
+        "se": se,
+        "wins": sum(d > 0 for d in diffs),
+        "ties": sum(d == 0 for d in diffs),
+        "losses": sum(d < 0 for d in diffs),
+    }
+
+
+def summarise(
+    case: str, methods: list[str], seeds: list[int], out: Path, baseline: float | None
+) -> dict:
     spec = CASES[case]
     curves = {
-        m: [read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds]
-        for m in spec["methods"]
+        m: [read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds] for m in methods
     }
     means = {m: mean_curve(c) for m, c in curves.items()}
-    target = means["grpo"]["success"][-1]
-    summary = {
-        "methods": {
-            m: {
-                "final_success": statistics.fmean(c["success"][-1] for c in curves[m]),
-                "env_steps_to_grpo_final": first_reach(means[m], target),
-            }
-            for m in spec["methods"]
+    target = means["grpo"]["success"][-1] if "grpo" in means else None
+    rows: dict[str, Any] = {}
+    for m, cs in curves.items():
+        finals = [c["success"][-1] for c in cs]
+        mu, se = mean_se(finals)
+        steps = sum(c["totals"]["steps"] for c in cs)
+        rows[m] = {
+            "final_success": mu,
+            "final_success_se": se,
+            "env_steps_to_grpo_final": None if target is None else first_reach(means[m], target),
+            "pass_at_4": statistics.fmean(c["pass_at_k"][-1] for c in cs),
+            "env_steps_per_step": sum(c["totals"]["env_steps"] for c in cs) / max(steps, 1),
+            "env_steps": statistics.fmean(c["totals"]["env_steps"] for c in cs),
+            "forks": statistics.fmean(c["totals"]["forks"] for c in cs),
+            "wall_s": statistics.fmean(c["totals"]["wall_s"] for c in cs),
+            "seeds": seeds,
         }
-    }
+    summary: dict[str, Any] = {"methods": rows}
+    if "grpo" in curves:
+        grpo = [c["success"][-1] for c in curves["grpo"]]
+        summary["paired_vs_grpo"] = {
+            m: paired([c["success"][-1] for c in cs], grpo)
+            for m, cs in curves.items()
+            if m != "grpo"
+        }
     details = {
         "seeds": seeds,
         "grpo_final": target,
@@ -210,34 +325,39 @@ def plot(case: str, means: dict[str, dict[str, list[float]]], baseline: float | 
     plt.close(fig)
 
 
-def walker_baseline(seeds: list[int], args: argparse.Namespace) -> float:
-    """The random-valid-move walker on the same held-out maps the runs evaluate on."""
+def walker_baseline(case: str, seeds: list[int], args: argparse.Namespace) -> float | None:
+    """The random(-valid-move) walker on the same held-out maps the runs evaluate on."""
     from agentree.config import load_config
-    from agentree.envs.frozenlake import FrozenLakeEnv
-    from agentree.models.warm import walker_success
+    from agentree.models.warm import walker_baseline as reference
 
+    if case == "countdown":
+        return None
     rates = []
     for seed in seeds:
-        cfg = load_config("frozenlake_patr", overrides=[f"seed={seed}", *args.set])
-        _, kwargs = cfg.component("env")
-        tasks = FrozenLakeEnv.load_tasks(args.eval_tasks, seed=seed, split="eval")
+        cfg = load_config(CASES[case]["config"], overrides=[f"seed={seed}", *args.set])
+        cfg = cfg.model_copy(
+            update={"eval": cfg.eval.model_copy(update={"tasks": args.eval_tasks})}
+        )
         # at least 32 walks per map, as `agentree train` reports it: the walker costs no model
         # call, and a handful of walks would make the reference noisier than the curves
-        samples = max(args.eval_samples, 32)
-        rates.append(walker_success(kwargs, tasks, samples=samples, seed=seed))
-    return statistics.fmean(rates)
+        rate = reference(cfg)
+        if rate is not None:
+            rates.append(rate)
+    return statistics.fmean(rates) if rates else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=[*CASES, "both"], default="frozenlake")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--case", "--env", choices=[*CASES, "all"], default="frozenlake")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", required=True, help="output directory (reused runs are kept)")
     ap.add_argument("--steps", type=int, default=40, help="optimiser steps per run")
     ap.add_argument("--tasks-per-step", type=int, default=8, help="trees per optimiser step")
-    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation interval")
+    ap.add_argument("--eval-every", type=int, default=5, help="held-out evaluation interval")
     ap.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks per evaluation")
-    ap.add_argument("--eval-samples", type=int, default=2, help="samples per held-out task")
+    ap.add_argument("--eval-samples", type=int, default=4, help="samples per held-out task")
+    ap.add_argument("--budget", type=int, help="env steps per task each method is sized to")
+    ap.add_argument("--turns", type=float, help="expected turns per trajectory, for sizing")
     ap.add_argument("--methods", nargs="+", help="run only these methods (default: all)")
     ap.add_argument("--set", action="append", default=[], help="extra config override")
     ap.add_argument(
@@ -246,22 +366,24 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for case in CASES if args.case == "both" else [args.case]:
-        methods = args.methods or list(CASES[case]["methods"])
+    for case in CASES if args.case == "all" else [args.case]:
+        known = list(methods_of(case, args))
+        methods = args.methods or known
+        unknown = set(methods) - set(known)
+        if unknown:
+            raise SystemExit(f"{case} has no method {sorted(unknown)}; choose from {known}")
         t0 = time.perf_counter()
         runs = [(m, s) for m in methods for s in args.seeds]
         with ThreadPoolExecutor(args.jobs) as pool:
             for done in [pool.submit(run_one, case, m, s, out, args) for m, s in runs]:
                 done.result()
-        if set(CASES[case]["methods"]) - set(methods):
-            continue  # a partial run: summarise once every method has finished
-        baseline = walker_baseline(args.seeds, args) if case == "frozenlake" else None
-        summary = summarise(case, args.seeds, out, baseline)
+        baseline = walker_baseline(case, args.seeds, args)
+        summary = summarise(case, methods, args.seeds, out, baseline)
         name = "summary.json" if case == "frozenlake" else f"{case}_summary.json"
         (out / name).write_text(json.dumps(summary, indent=1))
         print(f"{case} ({time.perf_counter() - t0:.0f}s): {json.dumps(summary)}")
         if baseline is not None:
-            print(f"random-valid-move walker on the same held-out maps: {100 * baseline:.1f}%")
+            print(f"random walker on the same held-out maps: {100 * baseline:.1f}%")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,18 @@ class Env(gymnasium.Env):
     def close(self) -> None:
         """Release resources; safe to call more than once."""
 
+    # -- state identity ---------------------------------------------------------------------
+    def state_key(self) -> str | None:
+        """A string equal for two positions of the env iff they are the same state, or None.
+
+        Step-level estimators (GiGPO's anchor states, RTMC's signatures) group the turns of a
+        task's rollouts taken from equal keys. agentree records the key on each tree node
+        (`node.info["state_key"]`) right after `reset`/`step`; None (the default) means the
+        observation text stands for the state. Override it when the observation carries more
+        than the state (an invalid-action notice, a turn counter) or less.
+        """
+        return None
+
     # -- tasks ------------------------------------------------------------------------------
     @classmethod
     def load_tasks(
@@ -244,6 +256,7 @@ _BUILTIN: dict[str, str] = {
     "swebench": "agentree.envs.swe:SWEEnv",
     "countdown": "agentree.envs.countdown:CountdownEnv",
     "math": "agentree.envs.math:MathEnv",
+    "sokoban": "agentree.envs.sokoban:SokobanEnv",
 }
 _REGISTRY: dict[str, type[Env]] = {}
 

@@ -149,6 +149,10 @@ class FrozenLakeEnv(Env):
         self._lake.np_random.bit_generator.state = state["rng"]
         self._turn, self._done = int(state["turn"]), bool(state["done"])
 
+    def state_key(self) -> str:
+        """The grid with the player: the whole state (an invalid-action notice is not)."""
+        return self.render_grid()
+
     # -- views --------------------------------------------------------------------------------
     @property
     def position(self) -> tuple[int, int]:

@@ -62,6 +62,7 @@ _BUILTIN: dict[str, str] = {
     "prm": "agentree.scorers.prm:PRMScorer",
     "judge": "agentree.scorers.judge:JudgeScorer",
     "none": "agentree.scorers.base:NoScorer",
+    "sokoban": "agentree.scorers.sokoban:SokobanScorer",
 }
 _REGISTRY: dict[str, type[Scorer]] = {}
 

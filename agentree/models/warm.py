@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentree.models.store import build_once, cache_root, content_key
 from agentree.models.tiny import TinyModelConfig
 
-WARM_ENVS = ("frozenlake", "countdown")
+WARM_ENVS = ("frozenlake", "countdown", "sokoban")
 BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
     "frozenlake": ("size", "p", "is_slippery"),
     "countdown": ("min_numbers", "max_numbers", "min_number", "max_number", "max_target"),
@@ -190,11 +190,17 @@ def walker_success(
 
 
 def walker_baseline(cfg: Any) -> float | None:
-    """The walker's success on an experiment's held-out tasks (None unless FrozenLake)."""
+    """The walker's success on an experiment's held-out tasks (None unless FrozenLake or
+    Sokoban)."""
     from agentree.envs.base import env_class
     from agentree.envs.frozenlake import FrozenLakeEnv
+    from agentree.envs.sokoban import SokobanEnv
 
     env_name, env_kwargs = cfg.component("env")
+    if env_class(env_name) is SokobanEnv:
+        tasks = SokobanEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
+        samples = max(cfg.eval.samples, 32)
+        return sokoban_walker_success(env_kwargs, tasks, samples=samples, seed=cfg.seed)
     if env_class(env_name) is not FrozenLakeEnv:
         return None
     tasks = FrozenLakeEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
@@ -249,6 +255,55 @@ def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng
     return f"<think>Combine the numbers to reach {target}.</think>\n<answer>{expr}</answer>"
 
 
+# -- Sokoban -------------------------------------------------------------------------------------
+def sokoban_move(room: dict[str, Any], expert_prob: float, rng: random.Random) -> str:
+    """The noisy Sokoban expert: the first move of a shortest solution (`solve_moves`) with
+    probability `expert_prob`, else a random move (`expert_prob=0` is the random walker)."""
+    from agentree.envs.sokoban import solve_moves
+
+    if rng.random() < expert_prob:
+        plan = solve_moves(room)
+        if plan:
+            return plan[0]
+    return rng.choice(MOVES)
+
+
+def sokoban_episode(
+    env: Any, task: Any, expert_prob: float, rng: random.Random
+) -> tuple[list[dict[str, str]], bool]:
+    """(chat messages, success) of one scripted episode on `env` (a SokobanEnv)."""
+    obs, info = env.reset(seed=task.seed, options=task.options)
+    messages = [{"role": "user", "content": obs}]
+    done = False
+    while not done:
+        action = f"```{sokoban_move(info['room'], expert_prob, rng)}```"
+        obs, _, terminated, truncated, info = env.step(action)
+        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
+        done = terminated or truncated
+    return messages[:-1], bool(info["success"])
+
+
+def sokoban_walker_success(
+    env_kwargs: dict[str, Any],
+    tasks: Sequence[Any],
+    *,
+    samples: int = 4,
+    expert_prob: float = 0.0,
+    seed: int = 0,
+) -> float:
+    """Success rate of the scripted Sokoban policy on `tasks`: with `expert_prob=0` the random
+    walker, the figure a Sokoban learning curve on the same rooms has to beat."""
+    from agentree.envs.sokoban import SokobanEnv
+
+    env = SokobanEnv(**env_kwargs)
+    rng = random.Random(seed)
+    wins = sum(
+        sokoban_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
+    )
+    env.close()
+    return wins / max(len(tasks) * samples, 1)
+
+
 # -- building ------------------------------------------------------------------------------------
 def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The validated env settings a warm build of `env_name` reads (`BUILD_SETTINGS`)."""
@@ -280,6 +335,8 @@ def demonstrations(
     try:
         if env_name == "frozenlake":
             return [frozenlake_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
+        if env_name == "sokoban":
+            return [sokoban_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
         out = []
         for t in tasks:
             obs, info = env.reset(seed=t.seed, options=t.options)

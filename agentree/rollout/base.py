@@ -126,6 +126,8 @@ _BUILTIN: dict[str, str] = {
     "latr": "agentree.rollout.latr:LATR",
     "treepo": "agentree.rollout.treepo:TreePO",
     "eptree": "agentree.rollout.eptree:EPTree",
+    "tree-grpo": "agentree.rollout.treegrpo:TreeGRPO",
+    "tsr": "agentree.rollout.tsr:TSR",
 }
 
 

@@ -22,6 +22,11 @@ from agentree.scorers.base import Score
 from agentree.tree import EndReason, Tree
 
 
+def _key_info(key: str | None) -> dict[str, str]:
+    """The env's state key for a node's info (see `Env.state_key`); nothing when it has none."""
+    return {} if key is None else {"state_key": str(key)}
+
+
 @dataclass
 class Branch:
     tree: Tree
@@ -106,19 +111,19 @@ class TurnRunner:
         resets = [(t, i) for t in tasks for i in range(1 if fork else branches_per_task)]
         envs = [self._new_env() for _ in resets]
 
-        def reset(args: tuple[Env, tuple[Task, int]]) -> tuple[str, dict]:
+        def reset(args: tuple[Env, tuple[Task, int]]) -> tuple[str, dict, str | None]:
             env, (task, _) = args
-            return reset_task(env, task)
+            return (*reset_task(env, task), env.state_key())
 
         results = self._map(reset, list(zip(envs, resets, strict=True)))
         out: list[list[Branch]] = []
         k = 0
         for task in tasks:
-            obs, info = results[k]
+            obs, info, key = results[k]
             tree = Tree(task.id, task.to_dict())
             env0 = envs[k]
             prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt)
-            tree.add_root(obs, prompt, {"env": info})
+            tree.add_root(obs, prompt, {"env": info, **_key_info(key)})
             if fork:
                 root = Branch(tree, task, 0, env0, list(prompt))
                 out.append(self.fork(root, branches_per_task))
@@ -153,6 +158,18 @@ class TurnRunner:
                 replace(branch, env=env, context=list(branch.context), keys=list(branch.keys))
             )
         return children
+
+    def branch_at(self, tree: Tree, task: Task, node: int, state: Any) -> Branch:
+        """A new branch continuing from `node` of `tree`, on an env restored to `state` (the
+        snapshot taken when a branch stood at that node): one fork."""
+        env = self._new_env()
+        env.restore(state)
+        self.stats.forks += 1
+        keys = [
+            str(n.info.get("env", {}).get("action_key", " ".join((n.action or "").split())))
+            for n in tree.path(node)[1:]
+        ]
+        return Branch(tree, task, node, env, tree.context_ids(node), keys)
 
     # -- stepping ----------------------------------------------------------------------------
     def generate(self, branches: Sequence[Branch], **overrides: Any) -> list[Completion]:
@@ -195,7 +212,8 @@ class TurnRunner:
             t0 = time.perf_counter()
             try:
                 assert b.env is not None
-                return b.env.step(action), time.perf_counter() - t0
+                res = b.env.step(action)
+                return (res, b.env.state_key()), time.perf_counter() - t0
             except Exception as e:  # the branch ends; the rollout goes on
                 return e, time.perf_counter() - t0
 
@@ -215,10 +233,11 @@ class TurnRunner:
                 self._end(b, EndReason.ENV_ERROR)
                 ended.append(b)
                 continue
-            obs, reward, terminated, truncated, info = res
+            (obs, reward, terminated, truncated, info), key = res
             finished = terminated or truncated
             obs_ids = [] if finished else chat.observation_ids(obs, comp.token_ids)
             extra = {"env": info, "step_s": round(dt, 4), "finish": comp.finish_reason}
+            extra.update(_key_info(key))
             if comp.entropies is not None:
                 extra["entropy"] = comp.entropies
             node = b.tree.add_child(

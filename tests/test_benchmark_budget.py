@@ -1,0 +1,91 @@
+"""The learning-efficiency benchmark's budget sizing, summary and paired comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentree.config import load_config
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_efficiency.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("learning_efficiency", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_efficiency"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def settings(args: list[str]) -> list[str]:
+    """The --set items and --rollout of a method's CLI arguments."""
+    out = [f"rollout={args[i + 1]}" for i, a in enumerate(args) if a == "--rollout"]
+    return out + [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+
+
+def test_methods_are_sized_to_the_env_step_budget(bench):
+    m = bench.sized_methods(32, 5.4)
+    assert set(m) == {
+        "patr", "tree-random", "grpo", "arpo", "gigpo", "tree-grpo", "tsr", "patr+gigpo"
+    }  # fmt: skip
+    # flat: G = 32 / 5.4 ~ 6 trajectories of ~5.4 steps
+    assert "rollout.G=6" in settings(m["grpo"]) and "train.advantage=gigpo" in settings(m["gigpo"])
+    # Tree-GRPO: M chains + M*N*L half-length expansions: M (5.4 + 2 * 2.7) ~ 32 -> M = 3
+    assert {"rollout=tree-grpo", "rollout.M=3", "rollout.N=2", "rollout.L=1"} <= set(
+        settings(m["tree-grpo"])
+    )
+    # TSR beam: width x 2 candidates x 5.4 turns ~ 32 -> width 3
+    assert {"rollout=tsr", "rollout.mode=beam", "rollout.width=3"} <= set(settings(m["tsr"]))
+    # every method's settings form a valid config of both cases
+    for case in ("frozenlake", "sokoban"):
+        for args in m.values():
+            sets = settings(args)
+            rollout = [s.split("=")[1] for s in sets if s.startswith("rollout=")]
+            select = {"rollout": rollout[0]} if rollout else None
+            load_config(
+                bench.CASES[case]["config"],
+                select=select,
+                overrides=[s for s in sets if not s.startswith("rollout=")],
+            )
+
+
+def test_paired_comparison_and_standard_error(bench):
+    p = bench.paired([0.5, 0.75, 0.5], [0.25, 0.75, 0.75])
+    assert p["diffs"] == [0.25, 0.0, -0.25]
+    assert p["mean"] == 0.0 and p["se"] == pytest.approx(0.25 / 3**0.5)
+    assert (p["wins"], p["ties"], p["losses"]) == (1, 1, 1)
+    assert bench.mean_se([0.6]) == (0.6, None)
+
+
+def write_run(run: Path, env_steps: list[float], success: list[float]) -> None:
+    """metrics.jsonl as `agentree train` writes it: eval rows at 0, 1, 2 and step rows."""
+    rows = [{"step": 0, "eval/success_rate": success[0], "eval/pass_at_k": 0.5}]
+    for i, e in enumerate(env_steps, start=1):
+        rows.append({"step": i, "time/step_s": 2.0, "rollout/env_steps": e, "rollout/forks": 3})
+        rows.append({"step": i, "eval/success_rate": success[i], "eval/pass_at_k": 0.75})
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_summary_reports_actual_env_steps_and_reach(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    write_run(case / "grpo" / "seed0", [40, 40], [0.2, 0.3, 0.4])
+    write_run(case / "grpo" / "seed1", [44, 36], [0.2, 0.3, 0.6])
+    write_run(case / "patr" / "seed0", [30, 34], [0.2, 0.5, 0.5])
+    write_run(case / "patr" / "seed1", [30, 30], [0.2, 0.5, 0.5])
+    s = bench.summarise("frozenlake", ["grpo", "patr"], [0, 1], tmp_path, None)
+    grpo, patr = s["methods"]["grpo"], s["methods"]["patr"]
+    assert grpo["final_success"] == pytest.approx(0.5)
+    assert grpo["final_success_se"] == pytest.approx(0.1)  # stdev(0.4, 0.6) / sqrt(2)
+    assert grpo["env_steps_per_step"] == 40 and patr["env_steps_per_step"] == 31
+    # GRPO's final mean 0.5 is reached by PATR's mean curve at step 1: (30 + 30) / 2 env steps
+    assert patr["env_steps_to_grpo_final"] == 30 and grpo["env_steps_to_grpo_final"] == 80
+    assert patr["forks"] == 6 and patr["wall_s"] == 4 and patr["pass_at_4"] == 0.75
+    assert s["paired_vs_grpo"]["patr"]["diffs"] == pytest.approx([0.1, -0.1])

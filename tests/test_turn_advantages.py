@@ -1,0 +1,337 @@
+"""Turn-level estimators (GiGPO, RTMC) and Tree-GRPO against numbers worked out by hand.
+
+GiGPO is also checked against an independent numpy transcription of how verl-agent's
+`gigpo/core_gigpo.py` computes it (one row per step, groups keyed by task and anchor state),
+on batches built from agentree trees.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from agentree.advantages import (
+    check_advantage_options,
+    compute_advantages,
+    gigpo_advantages,
+    rtmc_advantages,
+    treegrpo_advantages,
+)
+from agentree.tree import EndReason, Tree
+
+DONE = EndReason.COMPLETED
+
+
+def build(paths: list[list[tuple[str, str, float]]], start: str = "S0") -> Tree:
+    """A tree from trajectories given as [(action, next state key, reward), ...].
+
+    Trajectories sharing a prefix of identical (action, state, reward) steps share its nodes,
+    as a forking controller builds them; each turn's node appends one distinct token id.
+    """
+    t = Tree("task")
+    t.add_root("grid " + start, [100], {"state_key": start})
+    next_id = 1
+    for path in paths:
+        cur = 0
+        for k, (action, state, reward) in enumerate(path):
+            last = k == len(path) - 1
+            match = [
+                c
+                for c in t.nodes[cur].children
+                if t.nodes[c].action == action
+                and t.nodes[c].info["state_key"] == state
+                and not last
+                and t.nodes[c].children
+            ]
+            if match:
+                cur = match[0]
+                continue
+            node = t.add_child(
+                cur,
+                action=action,
+                action_ids=[next_id],
+                obs_ids=[] if last else [50],
+                observation="grid " + state,
+                reward=reward,
+                end_reason=DONE if last else None,
+                info={"state_key": state, "env": {"action_key": action}},
+            )
+            next_id += 1
+            cur = node.id
+    return t
+
+
+def flat(paths: list[list[tuple[str, str, float]]]) -> Tree:
+    """Every trajectory its own chain below the root (flat GRPO sampling)."""
+    t = Tree("task")
+    t.add_root("grid S0", [100], {"state_key": "S0"})
+    for path in paths:
+        cur = 0
+        for k, (action, state, reward) in enumerate(path):
+            last = k == len(path) - 1
+            cur = t.add_child(
+                cur,
+                action=action,
+                action_ids=[len(t.nodes)],
+                observation="grid " + state,
+                reward=reward,
+                end_reason=DONE if last else None,
+                info={"state_key": state, "env": {"action_key": action}},
+            ).id
+    return t
+
+
+# tau1 reaches the goal through A; tau2 passes through A too and fails; tau3 goes via C.
+GIGPO_PATHS = [
+    [("down", "A", 0.0), ("right", "G", 1.0)],
+    [("down", "A", 0.0), ("down", "B", 0.0), ("up", "B", 0.0)],
+    [("right", "C", 0.0), ("up", "C", 0.0)],
+]
+
+
+def per_turn(tree: Tree, adv: list[list[float]]) -> list[list[float]]:
+    """Each trajectory's advantage per turn (the value on that turn's one policy token)."""
+    out = []
+    for t, a in zip(tree.trajectories(), adv, strict=True):
+        out.append([x for x, m in zip(a, t.loss_mask, strict=True) if m])
+    return out
+
+
+def test_gigpo_two_trajectories_through_one_state_share_a_step_group():
+    tree = flat(GIGPO_PATHS)
+    adv = per_turn(tree, gigpo_advantages(tree, tree.trajectories()))
+    # Episode level (mean over the 7 step rows, verl-agent's default): R = 1,1,0,0,0,0,0
+    # -> mean 2/7; tau1 +5/7, the others -2/7.
+    e1, e0 = 5 / 7, -2 / 7
+    # Step returns, gamma 0.95: tau1 (0.95, 1), tau2 (0, 0, 0), tau3 (0, 0).
+    # Step groups: S0 {0.95, 0, 0} (mean 0.95/3); A {1 (tau1), 0 (tau2)} (mean 1/2);
+    # B {0} and C {0} alone -> 0.
+    s0 = 0.95 / 3
+    expected = [
+        [e1 + (0.95 - s0), e1 + 0.5],
+        [e0 - s0, e0 - 0.5, e0 + 0.0],
+        [e0 - s0, e0 + 0.0],
+    ]
+    for got, want in zip(adv, expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_gigpo_std_normalisation_weights_and_trajectory_statistics():
+    tree = flat(GIGPO_PATHS)
+    trajs = tree.trajectories()
+    adv = per_turn(tree, gigpo_advantages(tree, trajs, norm="std", step_weight=0.5, step_gamma=1.0))
+    # Episode: 7 rows [1,1,0,0,0,0,0], mean 2/7, sample var (2 (5/7)^2 + 5 (2/7)^2) / 6 = 5/21.
+    sd_e = math.sqrt(5 / 21)
+    e1, e0 = (5 / 7) / (sd_e + 1e-6), (-2 / 7) / (sd_e + 1e-6)
+    # gamma 1: tau1 returns (1, 1). S0 {1, 0, 0}: mean 1/3, sample std sqrt(1/3).
+    # A {1, 0}: mean 1/2, std sqrt(1/2).
+    sd_s0, sd_a = math.sqrt(1 / 3), math.sqrt(1 / 2)
+    a_s0_hit, a_s0_miss = (2 / 3) / (sd_s0 + 1e-6), (-1 / 3) / (sd_s0 + 1e-6)
+    a_a = 0.5 / (sd_a + 1e-6)
+    assert adv[0] == pytest.approx([e1 + 0.5 * a_s0_hit, e1 + 0.5 * a_a], abs=1e-9)
+    assert adv[1] == pytest.approx([e0 + 0.5 * a_s0_miss, e0 - 0.5 * a_a, e0], abs=1e-9)
+    # episode statistics over trajectories (the paper's equation): R = 1, 0, 0.
+    adv = per_turn(tree, gigpo_advantages(tree, trajs, episode_stats="trajectories"))
+    assert adv[0][1] == pytest.approx(2 / 3 + 0.5)
+    assert adv[2][1] == pytest.approx(-1 / 3)
+
+
+def test_gigpo_state_key_falls_back_to_the_observation():
+    tree = flat(GIGPO_PATHS)
+    # observations "grid X" key the same states as the env's keys here ...
+    by_env = gigpo_advantages(tree, tree.trajectories())
+    by_obs = gigpo_advantages(tree, tree.trajectories(), state_key="observation")
+    assert by_env == by_obs
+    # ... and a node without a state key is keyed by its observation text
+    for n in tree.nodes:
+        n.info.pop("state_key", None)
+    assert gigpo_advantages(tree, tree.trajectories()) == by_env
+    # an observation that carries more than the state (a notice) splits the step group A
+    tree.nodes[1].observation = "invalid action!\ngrid A"
+    split = per_turn(tree, gigpo_advantages(tree, tree.trajectories(), state_key="observation"))
+    assert split[0][1] == pytest.approx(5 / 7)  # A's group now holds tau1 alone
+
+
+def test_gigpo_turn_advantages_land_on_each_turns_policy_tokens():
+    tree = build(GIGPO_PATHS)  # tau1 and tau2 share their first turn's node
+    trajs = tree.trajectories()
+    adv = gigpo_advantages(tree, trajs)
+    for t, a in zip(trajs, adv, strict=True):
+        assert len(a) == len(t.token_ids)
+        assert all(x == 0.0 for x, m in zip(a, t.loss_mask, strict=True) if not m)
+    # the shared first turn is one row per trajectory: same anchor, own returns
+    (out,) = compute_advantages("gigpo", [tree], [trajs])
+    assert out == adv
+    assert per_turn(tree, adv) == per_turn(
+        flat(GIGPO_PATHS), gigpo_advantages(flat(GIGPO_PATHS), flat(GIGPO_PATHS).trajectories())
+    )
+
+
+# -- GiGPO as verl-agent computes it -------------------------------------------------------
+def verl_agent_gigpo(tree: Tree, mode: str, gamma: float, w: float, eps: float = 1e-6):
+    """numpy transcription of verl-agent's GiGPO over a batch of step rows.
+
+    A row per (trajectory, step) with: `index` (the task's group uid), `traj_index`,
+    `anchor_obs` (the observation the step acted from), `rewards` (the step's env reward) and
+    the episode score (sum of the trajectory's rewards). Discounted returns per trajectory;
+    episode mean/std over all rows of the group (a group of one row: mean 0, std 1); step
+    groups = identical anchor_obs within a group (one row: mean = itself, std 1); torch.std
+    is the sample std; scores = episode + w * step.
+    """
+    index, traj_index, anchor, rewards, episode, where = [], [], [], [], [], []
+    for i, t in enumerate(tree.trajectories()):
+        for k, n in enumerate(t.nodes[1:]):
+            index.append("task")
+            traj_index.append(i)
+            anchor.append(tree.nodes[tree.nodes[n].parent].info["state_key"])
+            rewards.append(tree.nodes[n].reward)
+            episode.append(t.reward)
+            where.append((i, k))
+    index, traj_index = np.array(index), np.array(traj_index)
+    rewards = np.array(rewards, dtype=np.float32)
+    returns = np.zeros_like(rewards)
+    for uid in np.unique(traj_index):
+        rows = np.where(traj_index == uid)[0]
+        running = 0.0
+        for r in rows[::-1]:
+            running = rewards[r] + gamma * running
+            returns[r] = running
+
+    def norm(values: np.ndarray, keys: list, single_mean_is_self: bool) -> np.ndarray:
+        out = np.zeros(len(values), dtype=np.float64)
+        groups = defaultdict(list)
+        for i, k in enumerate(keys):
+            groups[k].append(i)
+        for idx in groups.values():
+            xs = values[idx].astype(np.float64)
+            if len(xs) == 1:
+                mean, std = (xs[0] if single_mean_is_self else 0.0), 1.0
+            else:
+                mean, std = xs.mean(), xs.std(ddof=1)
+            for i in idx:
+                out[i] = (
+                    values[i] - mean if mode == "mean_norm" else (values[i] - mean) / (std + eps)
+                )
+        return out
+
+    ep = norm(np.array(episode, dtype=np.float32), list(index), False)
+    st = norm(returns, [(index[i], anchor[i]) for i in range(len(anchor))], True)
+    scores = ep + w * st
+    per_traj = defaultdict(list)
+    for (i, _), s in zip(where, scores, strict=True):
+        per_traj[i].append(float(s))
+    return [per_traj[i] for i in range(len(per_traj))]
+
+
+def random_tree(rng: random.Random) -> Tree:
+    """Random paths over a few states with sparse rewards, grown as a forking tree."""
+    paths = []
+    for _ in range(rng.randint(2, 7)):
+        steps, n = [], rng.randint(1, 5)
+        for k in range(n):
+            reward = float(rng.random() < 0.4) if k == n - 1 else rng.choice([0.0, 0.0, 0.1])
+            steps.append((rng.choice("ab"), rng.choice(["A", "B", "C", "D"]), reward))
+        paths.append(steps)
+    return build(paths)
+
+
+@pytest.mark.parametrize("mode", ["mean_norm", "mean_std_norm"])
+def test_gigpo_matches_verl_agent_on_batches_from_trees(mode):
+    rng = random.Random(7)
+    for _ in range(40):
+        tree = random_tree(rng)
+        trajs = tree.trajectories()
+        gamma, w = rng.choice([0.95, 0.9, 1.0]), rng.choice([1.0, 0.5])
+        ours = gigpo_advantages(
+            tree,
+            trajs,
+            norm="mean" if mode == "mean_norm" else "std",
+            step_gamma=gamma,
+            step_weight=w,
+        )
+        ref = verl_agent_gigpo(tree, mode, gamma, w)
+        for got, want in zip(per_turn(tree, ours), ref, strict=True):
+            assert got == pytest.approx(want, abs=1e-6)
+
+
+# -- RTMC -------------------------------------------------------------------------------------
+RTMC_PATHS = [
+    [("down", "A", 0.0), ("right", "G", 1.0)],
+    [("down", "A", 0.0), ("down", "B", 0.0)],
+    [("right", "C", 0.0), ("up", "A", 0.0), ("down", "B", 0.0)],
+]
+
+
+def test_rtmc_q_minus_v_over_shared_states():
+    tree = build(RTMC_PATHS)
+    adv = per_turn(tree, rtmc_advantages(tree, tree.trajectories()))
+    # gamma 1 returns: tau1 (1, 1), tau2 (0, 0), tau3 (0, 0, 0).
+    # S0: V = 1/3, Q(down) = (1 + 0)/2, Q(right) = 0. C: one rollout -> 0.
+    # A (met by all three): V = 1/3, Q(right) = 1, Q(down) = 0.
+    assert adv[0] == pytest.approx([1 / 2 - 1 / 3, 1 - 1 / 3])
+    assert adv[1] == pytest.approx([1 / 2 - 1 / 3, 0 - 1 / 3])
+    assert adv[2] == pytest.approx([0 - 1 / 3, 0.0, 0 - 1 / 3])
+
+
+def test_rtmc_history_signatures_and_prior():
+    tree = build(RTMC_PATHS)
+    trajs = tree.trajectories()
+    hist = per_turn(tree, rtmc_advantages(tree, trajs, signature="history"))
+    # A reached by (S0, down) for tau1/tau2 is a different signature from tau3's route
+    # via C: V = 1/2 over tau1, tau2; tau3's step at A stands alone.
+    assert hist[0][1] == pytest.approx(1 / 2) and hist[1][1] == pytest.approx(-1 / 2)
+    assert hist[2] == pytest.approx([-1 / 3, 0.0, 0.0])
+    # prior c = 1 shrinks Q(S0, down) towards V(S0): (1 + 0 + 1/3) / 3 = 4/9
+    prior = per_turn(tree, rtmc_advantages(tree, trajs, prior=1.0))
+    assert prior[0][0] == pytest.approx(4 / 9 - 1 / 3)
+
+
+def test_rtmc_counts_first_visits_only():
+    # tau1 bumps into a wall twice at S0 ("up" keeps it there), then goes down to the goal;
+    # tau2 goes down and fails. gamma 0.5: tau1's returns are (0.25, 0.5, 1), tau2's (0).
+    tree = flat([[("up", "S0", 0.0), ("up", "S0", 0.0), ("down", "G", 1.0)], [("down", "B", 0.0)]])
+    adv = per_turn(tree, rtmc_advantages(tree, tree.trajectories(), gamma=0.5))
+    # First visits: V(S0) = (0.25 + 0) / 2; Q(S0, up) = 0.25 (not the mean of 0.25 and 0.5);
+    # Q(S0, down) = (1 + 0) / 2, tau1's first "down" at S0 being its third step.
+    v = 0.125
+    assert adv[0] == pytest.approx([0.25 - v, 0.25 - v, 0.5 - v])
+    assert adv[1] == pytest.approx([0.5 - v])
+
+
+# -- Tree-GRPO --------------------------------------------------------------------------------
+def test_treegrpo_sums_intra_and_inter_tree_group_advantages():
+    paths = [
+        [("a", "A", 0.0), ("x", "X", 1.0)],
+        [("a", "A", 0.0), ("y", "Y", 0.0)],
+        [("b", "B", 0.0), ("x", "X", 1.0)],
+        [("b", "B", 0.0), ("y", "Y", 1.0)],
+        [("b", "B", 0.0), ("z", "Z", 0.0)],
+    ]
+    tree = build(paths)
+    trajs = tree.trajectories()
+    adv = [
+        a[m.index(1)]
+        for a, m in (
+            (a, t.loss_mask) for a, t in zip(treegrpo_advantages(tree, trajs), trajs, strict=True)
+        )
+    ]
+    # inter: R = 1,0,1,1,0 -> mean 0.6, sample std sqrt(0.3)
+    sd = math.sqrt(0.3) + 1e-6
+    inter = [0.4 / sd, -0.6 / sd, 0.4 / sd, 0.4 / sd, -0.6 / sd]
+    # intra: tree a {1, 0}: +-0.5/sqrt(1/2); tree b {1, 1, 0}: mean 2/3, std sqrt(1/3)
+    sa, sb = math.sqrt(0.5) + 1e-6, math.sqrt(1 / 3) + 1e-6
+    intra = [0.5 / sa, -0.5 / sa, (1 / 3) / sb, (1 / 3) / sb, (-2 / 3) / sb]
+    assert adv == pytest.approx([a + b for a, b in zip(inter, intra, strict=True)])
+
+
+def test_new_estimator_options_are_checked():
+    check_advantage_options("gigpo", {"step_gamma": 0.9, "norm": "std", "state_key": "env"})
+    check_advantage_options("rtmc", {"signature": "history", "prior": 1.0})
+    with pytest.raises(ValueError, match="must be one of"):
+        check_advantage_options("gigpo", {"norm": "max"})
+    with pytest.raises(ValueError, match="has no option"):
+        check_advantage_options("rtmc", {"step_gamma": 0.9})
