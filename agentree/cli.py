@@ -142,8 +142,6 @@ def _write_config(cfg, run_dir: Path) -> None:
 
 # -- train --------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from agentree.resume import resume_config
 
     rank = int(os.environ.get("RANK", "0"))
@@ -174,33 +172,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.output = str(run_dir)
     if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
-    from agentree.checkpoint import latest_checkpoint
-    from agentree.parallel import check_train_config, make_trainer, spawn_ranks
-
-    check_train_config(cfg.train)
-    if cfg.train.world_size > 1 and "RANK" not in os.environ:
-        argv = [*args.argv, "--output", str(run_dir)] if not args.output else args.argv
-        if cfg.distributed.backend == "ray":
-            from agentree.distributed.ranks import train_on_ray
-
-            return train_on_ray(cfg, argv)
-        return spawn_ranks(cfg.train.world_size, argv)
     if rank == 0:
         _write_config(cfg, run_dir)
+    if cfg.train.world_size > 1 and "RANK" not in os.environ:
+        if cfg.distributed.backend == "ray":
+            from agentree.distributed.ranks import launch_on_ray
 
+            codes = launch_on_ray(cfg, train_entry, (cfg, args.resume, os.getcwd()))
+            return next((int(c) for c in codes if c), 0)
+        from agentree.launch import spawn_ranks
+
+        return spawn_ranks(cfg.train.world_size, train_entry, (cfg, args.resume, os.getcwd()))
+    return train_entry(cfg, args.resume)
+
+
+def train_entry(cfg: Any, resume: bool, cwd: str | None = None) -> int:
+    """Train `cfg` (resolved, with its run directory set) on this rank: the entry point of
+    every rank, whoever launched it (this process, `spawn_ranks`, torchrun or a Ray actor)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentree.checkpoint import latest_checkpoint
+    from agentree.trainer import Trainer
+
+    if cwd is not None:
+        os.chdir(cwd)  # a rank actor: relative paths resolve as in the launching process
+    rank = int(os.environ.get("RANK", "0"))
+    console = _console()
+    console.quiet = rank > 0
+    run_dir = Path(cfg.output)
     t0 = time.perf_counter()
     console.print(
         f"[bold]agentree train[/] env={cfg.env['name']} rollout={cfg.rollout['name']} "
         f"scorer={cfg.scorer['name']} policy={cfg.policy.path} steps={cfg.train.steps} "
         f"-> {run_dir}"
     )
-    trainer = make_trainer(cfg, run_dir, log=console.print)
+    trainer = Trainer(cfg, run_dir, log=console.print)
     try:
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
-        if args.resume and trainer.resume():
+        if resume and trainer.resume():
             ckpt = latest_checkpoint(run_dir)
             console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
-        elif args.resume:
+        elif resume:
             console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
         progress = Progress(
             TextColumn("[bold]train"),
@@ -280,6 +292,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # -- rollout ------------------------------------------------------------------------------------
 def cmd_rollout(args: argparse.Namespace) -> int:
+    from agentree.evaluation import success
     from agentree.rollout.base import action_format
     from agentree.runtime import Runtime
 
@@ -289,16 +302,18 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     cfg = _load(args)
     run_dir = Path(args.output)
     _write_config(cfg, run_dir)
-    rt = Runtime(cfg, log=console.print)
+    rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
     try:
-        tasks = rt.load_tasks(args.tasks, split="train")
+        tasks = rt.tasks["train"]
         rt.env_cls.prepare_tasks(tasks, progress=console.print, **rt.env_kwargs)
         console.print(
             f"[bold]agentree rollout[/] {cfg.rollout['name']} on {len(tasks)} {cfg.env['name']} "
             f"tasks -> {run_dir}"
         )
         with console.status("rolling out") as status:
-            trees, stats = rt.rollout(tasks, progress=_progress_lines(console, status.update))
+            trees, stats = rt.rollouts.rollout(
+                tasks, progress=_progress_lines(console, status.update)
+            )
     finally:
         rt.close()
     from agentree.tree import save_trees
@@ -307,7 +322,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     wins = n = 0
     for tree in trees:
         for t in rt.controller.group(tree):
-            wins += rt.success(tree, t)
+            wins += success(tree, t.leaf)
             n += 1
     d = stats.to_dict()
     well, judged = action_format(trees)

@@ -80,7 +80,7 @@ def warm_runtime():
 
 
 def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
-    from agentree.runtime import evaluate
+    from agentree.evaluation import evaluate
 
     cfg, rt = warm_runtime
     result = evaluate(rt, cfg, seed=0)
@@ -103,7 +103,9 @@ def test_warm_policy_knows_more_than_it_samples(warm_runtime) -> None:
     cfg, rt = warm_runtime
     assert cfg.policy.warm.pretrain_episodes > 0
     env = FrozenLakeEnv(**rt.env_kwargs)
-    skill = first_move_skill(rt.model, rt.chat, env, FrozenLakeEnv.load_tasks(100, split="eval"))
+    skill = first_move_skill(
+        rt.model, rt.rollouts.chat, env, FrozenLakeEnv.load_tasks(100, split="eval")
+    )
     assert skill["maps"] >= 90
     assert skill["top1"] >= 0.5, skill
     assert skill["p_best"] <= skill["top1"] - 0.1, skill
