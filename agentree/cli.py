@@ -12,6 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentree.export import add_export_command
+from agentree.plot import add_plot_command
+from agentree.serve import add_serve_command
+from agentree.swe.cli import add_swe_commands
+from agentree.view import add_view_command
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -62,28 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("configs", help="list the shipped experiment configs")
     p.set_defaults(func=cmd_configs)
 
-    for hook in _command_hooks():
-        hook(sub)
-    return parser
-
-
-def _command_hooks() -> list[Callable[[Any], None]]:
-    """Subcommands that live next to the code they drive."""
-    import importlib
-    import importlib.util
-
-    hooks = []
-    for module, name in (
-        ("agentree.serve", "add_serve_command"),
-        ("agentree.swe.cli", "add_swe_commands"),
-        ("agentree.view", "add_view_command"),
-        ("agentree.plot", "add_plot_command"),
-        ("agentree.export", "add_export_command"),
-        ("agentree.sft", "add_sft_command"),
+    # subcommands that live next to the code they drive
+    for add in (
+        add_serve_command,
+        add_swe_commands,
+        add_view_command,
+        add_plot_command,
+        add_export_command,
+        add_sft_command,
     ):
-        if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
-            hooks.append(getattr(importlib.import_module(module), name))
-    return hooks
+        add(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +389,67 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
     for name in available_configs():
         print(name)
+    return 0
+
+
+# -- sft --------------------------------------------------------------------------------
+def add_sft_command(sub: Any) -> None:
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL or agentree trees")
+    p.add_argument("--env", help="env whose system prompt (and tiny policy) to use")
+    p.add_argument("--config", help="config name or YAML file (env settings, policy)")
+    p.add_argument("--data", required=True, help="chat JSONL file, or a run/trees directory")
+    p.add_argument("--output", required=True, help="directory for the fine-tuned policy")
+    p.add_argument("--policy", help="policy to start from (default: the config's, e.g. tiny)")
+    p.add_argument("--min-reward", type=float, help="keep tree trajectories with reward >= this")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per optimiser step")
+    p.add_argument("--max-length", type=int, default=4096, help="tokens per example at most")
+    p.add_argument("--seed", type=int, default=0, help="example order seed")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args: Any) -> int:
+    from agentree.chat import ChatFormat
+    from agentree.config import load_config
+    from agentree.envs.base import env_class
+    from agentree.policy import resolve_policy
+    from agentree.sft import SFTConfig, load_examples, run_sft
+
+    cfg = load_config(
+        args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
+    )
+    policy = resolve_policy(cfg, print)
+    env_name, env_kwargs = cfg.component("env")
+    env = env_class(env_name)(**env_kwargs)
+    try:
+        system = env.system_prompt
+    finally:
+        env.close()
+    # deferred: transformers is heavy
+    from transformers import AutoTokenizer
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
+    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
+    sft = SFTConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        seed=args.seed,
+        dtype=cfg.policy.dtype,
+        device=cfg.policy.device,
+    )
+    summary = run_sft(policy, examples, args.output, sft)
+    losses = summary["epoch_loss"]
+    print(
+        f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "
+        f"tokens), loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary['wall_s']:.0f}s; "
+        f"continue with: agentree train --policy {args.output}"
+    )
     return 0
 
 
