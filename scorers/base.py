@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from agentree.envs.base import Task, format_validation_error, import_object
+from agentree.envs.base import Task, format_validation_error
+from agentree.registry import Registry
 from agentree.tree import Node
 
 Branch = Sequence[Node]
@@ -55,44 +56,30 @@ class Scorer:
         """Release models, clients, servers."""
 
 
-_BUILTIN: dict[str, str] = {
-    "bfs": "agentree.scorers.bfs:BFSScorer",
-    "random": "agentree.scorers.random:RandomScorer",
-    "heuristic": "agentree.scorers.heuristic:TrajectoryHeuristicScorer",
-    "prm": "agentree.scorers.prm:PRMScorer",
-    "judge": "agentree.scorers.judge:JudgeScorer",
-    "none": "agentree.scorers.base:NoScorer",
-}
-_REGISTRY: dict[str, type[Scorer]] = {}
+SCORERS: Registry[type[Scorer]] = Registry(
+    "scorer",
+    Scorer,
+    {
+        "bfs": "agentree.scorers.bfs:BFSScorer",
+        "random": "agentree.scorers.random:RandomScorer",
+        "heuristic": "agentree.scorers.heuristic:TrajectoryHeuristicScorer",
+        "prm": "agentree.scorers.prm:PRMScorer",
+        "judge": "agentree.scorers.judge:JudgeScorer",
+        "none": "agentree.scorers.base:NoScorer",
+    },
+)
 
 
 def register_scorer(name: str) -> Callable[[type[Scorer]], type[Scorer]]:
-    def deco(cls: type[Scorer]) -> type[Scorer]:
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return SCORERS.register(name)
 
 
 def scorer_names() -> list[str]:
-    return sorted(set(_BUILTIN) | set(_REGISTRY))
+    return SCORERS.names()
 
 
 def scorer_class(name: str) -> type[Scorer]:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _BUILTIN:
-        cls = import_object(_BUILTIN[name])
-    elif ":" in name:
-        cls = import_object(name)
-    else:
-        raise ValueError(
-            f"unknown scorer {name!r}; known: {', '.join(scorer_names())}, "
-            "or pass 'package.module:Class'"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
-        raise ValueError(f"{name!r} is not a subclass of agentree.scorers.Scorer")
-    return cls
+    return SCORERS.get(name)
 
 
 def make_scorer(name: str, **kwargs: Any) -> Scorer:

@@ -184,6 +184,7 @@ def two_ranks(fixed_batch, tmp_path_factory) -> Path:
     tr.step = 1
     tr.save()
     tr.close()
+    (out / "async").mkdir()
     mp.spawn(_rank_main, args=(2, free_port(), fixed_batch, out), nprocs=2)
     return out
 

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.chat import ChatFormat
 from agentree.engines.base import Engine, SamplingParams
-from agentree.envs.base import Env, Task, format_validation_error, import_object
+from agentree.envs.base import Env, Task, format_validation_error
+from agentree.registry import Registry
 from agentree.scorers.base import NoScorer, Scorer
 from agentree.tree import Trajectory, Tree
 
@@ -118,31 +119,27 @@ class Controller:
         return tree.trajectories()
 
 
-_BUILTIN: dict[str, str] = {
-    "patr": "agentree.rollout.patr:PATR",
-    "tree-random": "agentree.rollout.patr:TreeRandom",
-    "grpo": "agentree.rollout.flat:FlatGRPO",
-    "arpo": "agentree.rollout.arpo:ARPO",
-    "latr": "agentree.rollout.latr:LATR",
-    "treepo": "agentree.rollout.treepo:TreePO",
-    "eptree": "agentree.rollout.eptree:EPTree",
-}
+CONTROLLERS: Registry[type[Controller]] = Registry(
+    "rollout",
+    Controller,
+    {
+        "patr": "agentree.rollout.patr:PATR",
+        "tree-random": "agentree.rollout.patr:TreeRandom",
+        "grpo": "agentree.rollout.flat:FlatGRPO",
+        "arpo": "agentree.rollout.arpo:ARPO",
+        "latr": "agentree.rollout.latr:LATR",
+        "treepo": "agentree.rollout.treepo:TreePO",
+        "eptree": "agentree.rollout.eptree:EPTree",
+    },
+)
 
 
 def controller_names() -> list[str]:
-    return sorted(_BUILTIN)
+    return CONTROLLERS.names()
 
 
 def controller_class(name: str) -> type[Controller]:
-    if name in _BUILTIN:
-        cls = import_object(_BUILTIN[name])
-    elif ":" in name:
-        cls = import_object(name)
-    else:
-        raise ValueError(f"unknown rollout {name!r}; known: {', '.join(controller_names())}")
-    if not (isinstance(cls, type) and issubclass(cls, Controller)):
-        raise ValueError(f"{name!r} is not a subclass of agentree.rollout.base.Controller")
-    return cls
+    return CONTROLLERS.get(name)
 
 
 def make_controller(name: str, **kwargs: Any) -> Controller:
