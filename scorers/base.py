@@ -22,7 +22,7 @@ from agentree.envs.base import Task, format_validation_error
 from agentree.registry import Registry
 from agentree.tree import Node
 
-Branch = Sequence[Node]
+NodePath = Sequence[Node]
 """A partial trajectory: the nodes from the root (the task prompt) to the branch's leaf."""
 
 
@@ -49,7 +49,7 @@ class Scorer:
     def __init__(self, config: ScorerConfig | None = None) -> None:
         self.config = config or self.Config()
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -98,5 +98,5 @@ class NoScorer(Scorer):
 
     name = "none"
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         return [Score(None) for _ in branches]

@@ -9,10 +9,9 @@ import pytest
 
 from agentree.config import load_config
 from agentree.envs.countdown import CountdownEnv
-from agentree.envs.frozenlake import FrozenLakeEnv, shortest_path
+from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal, shortest_path
 from agentree.models.warm import (
     countdown_response,
-    distances_to_goal,
     scripted_move,
     valid_moves,
     walker_success,

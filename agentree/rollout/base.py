@@ -9,6 +9,7 @@ of every tree, so one engine call serves the whole batch.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -117,6 +118,17 @@ class Controller:
     def group(self, tree: Tree) -> list[Trajectory]:
         """The rollout group of a finished tree: by default every finished leaf."""
         return tree.trajectories()
+
+    def finish(
+        self, trees: list[Tree], stats: RolloutStats, t0: float
+    ) -> tuple[list[Tree], RolloutStats]:
+        """Every controller's closing lines: its name and config on each tree, the rollout
+        group counted, the wall time since `t0` (a `time.perf_counter()` reading)."""
+        for tree in trees:
+            tree.meta.update({"controller": self.name, "config": self.config.model_dump()})
+        stats.trajectories = sum(len(self.group(t)) for t in trees)
+        stats.wall_s = time.perf_counter() - t0
+        return trees, stats
 
 
 CONTROLLERS: Registry[type[Controller]] = Registry(
