@@ -85,10 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     # agentree shows its own progress; silence the per-file bars of model loading/saving
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # ranks re-run the same command
-    debug = args.debug or os.environ.get("AGENTREE_DEBUG") == "1"
+    if args.debug:
+        os.environ["AGENTREE_DEBUG"] = "1"  # ranks started from here inherit it
+    return reported(args.func, args)
+
+
+def reported(fn: Callable[..., Any], *args: Any) -> int:
+    """`fn(*args)` as an exit code; an error a user can act on is one line, not a traceback
+    (AGENTREE_DEBUG=1 or --debug shows it)."""
+    debug = os.environ.get("AGENTREE_DEBUG") == "1"
     try:
-        return int(args.func(args) or 0)
+        return int(fn(*args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -173,24 +180,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         if cfg.distributed.backend == "ray":
             from agentree.distributed.ranks import launch_on_ray
 
-            codes = launch_on_ray(cfg, train_entry, (cfg, args.resume, os.getcwd()))
+            codes = launch_on_ray(cfg, train_rank, (cfg, args.resume, os.getcwd()))
             return next((int(c) for c in codes if c), 0)
         from agentree.launch import spawn_ranks
 
-        return spawn_ranks(cfg.train.world_size, train_entry, (cfg, args.resume, os.getcwd()))
+        return spawn_ranks(cfg.train.world_size, train_rank, (cfg, args.resume, os.getcwd()))
     return train_entry(cfg, args.resume)
 
 
-def train_entry(cfg: Any, resume: bool, cwd: str | None = None) -> int:
+def train_rank(cfg: Any, resume: bool, cwd: str) -> int:
+    """The entry point of a rank that `spawn_ranks` or a Ray actor started."""
+    os.chdir(cwd)  # relative paths resolve as in the launching process
+    return reported(train_entry, cfg, resume)
+
+
+def train_entry(cfg: Any, resume: bool) -> int:
     """Train `cfg` (resolved, with its run directory set) on this rank: the entry point of
-    every rank, whoever launched it (this process, `spawn_ranks`, torchrun or a Ray actor)."""
+    every rank, whoever launched it (this process, torchrun, `spawn_ranks` or a Ray actor)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentree.checkpoint import latest_checkpoint
     from agentree.trainer import Trainer
 
-    if cwd is not None:
-        os.chdir(cwd)  # a rank actor: relative paths resolve as in the launching process
     rank = int(os.environ.get("RANK", "0"))
     console = _console()
     console.quiet = rank > 0
