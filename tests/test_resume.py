@@ -273,8 +273,8 @@ def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
 
 
 def test_resume_may_reshape_the_work_and_logs_it(tmp_path):
-    """Distributed checkpoints reshard, so `--resume --set train.world_size=N` is allowed and
-    logged; any other key still counts as a change of the run."""
+    """Checkpoints reshard onto any learner, so `--resume --set train.world_size=N --set
+    train.fsdp=true` is allowed and logged; any other key still counts as a change of the run."""
     from agentree.resume import resume_config
 
     run = _saved_run(tmp_path)
@@ -283,7 +283,7 @@ def test_resume_may_reshape_the_work_and_logs_it(tmp_path):
         run,
         config=None,
         select={},
-        overrides=["train.world_size=2", "train.micro_batch_size=4"],
+        overrides=["train.world_size=2", "train.fsdp=true", "train.micro_batch_size=4"],
         steps=None,
         log=logged.append,
     )
