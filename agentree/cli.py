@@ -12,10 +12,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from agentree.chat import ChatFormat
+from agentree.checkpoint import latest_checkpoint
+from agentree.config import available_configs, load_config
+from agentree.distributed.ranks import launch_on_ray
+from agentree.envs.base import env_class
+from agentree.evaluation import run_eval, success
 from agentree.export import add_export_command
+from agentree.launch import spawn_ranks
+from agentree.models.warm import walker_baseline
+from agentree.plan import dry_run
 from agentree.plot import add_plot_command
+from agentree.policy import resolve_policy
+from agentree.resume import resume_config
+from agentree.rollout.base import action_format, describe_action_format
+from agentree.runtime import Runtime
 from agentree.serve import add_serve_command
+from agentree.sft import SFTConfig, load_examples, run_sft
 from agentree.swe.cli import add_swe_commands
+from agentree.tree import save_trees
 from agentree.view import add_view_command
 
 EXIT_USAGE = 2
@@ -108,13 +126,11 @@ def reported(fn: Callable[..., Any], *args: Any) -> int:
 
 # -- helpers ------------------------------------------------------------------------------------
 def _console():
-    from rich.console import Console
 
     return Console(stderr=True, highlight=False)
 
 
 def _load(args: argparse.Namespace):
-    from agentree.config import load_config
 
     select = {
         "env": args.env,
@@ -144,7 +160,6 @@ def _write_config(cfg, run_dir: Path) -> None:
 
 # -- train --------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    from agentree.resume import resume_config
 
     rank = int(os.environ.get("RANK", "0"))
     console = _console()
@@ -164,8 +179,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = _load(args)
     if args.dry_run:
-        from agentree.plan import dry_run
-
         print(dry_run(cfg))
         return 0
     if not cfg.output and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -178,11 +191,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         _write_config(cfg, run_dir)
     if cfg.train.world_size > 1 and "RANK" not in os.environ:
         if cfg.distributed.backend == "ray":
-            from agentree.distributed.ranks import launch_on_ray
-
             codes = launch_on_ray(cfg, train_rank, (cfg, args.resume, os.getcwd()))
             return next((int(c) for c in codes if c), 0)
-        from agentree.launch import spawn_ranks
 
         return spawn_ranks(cfg.train.world_size, train_rank, (cfg, args.resume, os.getcwd()))
     return train_entry(cfg, args.resume)
@@ -197,9 +207,8 @@ def train_rank(cfg: Any, resume: bool, cwd: str) -> int:
 def train_entry(cfg: Any, resume: bool) -> int:
     """Train `cfg` (resolved, with its run directory set) on this rank: the entry point of
     every rank, whoever launched it (this process, torchrun, `spawn_ranks` or a Ray actor)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentree.checkpoint import latest_checkpoint
+    # deferred: the trainer imports torch, which `agentree --help` should not pay for
     from agentree.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
@@ -286,7 +295,6 @@ def train_entry(cfg: Any, resume: bool) -> int:
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
     _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
-    from agentree.models.warm import walker_baseline
 
     walker = walker_baseline(cfg)
     if walker is not None:  # the reference a FrozenLake curve is read against
@@ -298,9 +306,6 @@ def train_entry(cfg: Any, resume: bool) -> int:
 
 # -- rollout ------------------------------------------------------------------------------------
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from agentree.evaluation import success
-    from agentree.rollout.base import action_format
-    from agentree.runtime import Runtime
 
     if not args.output:
         raise ValueError("agentree rollout needs --output DIR")
@@ -322,7 +327,6 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             )
     finally:
         rt.close()
-    from agentree.tree import save_trees
 
     save_trees(trees, run_dir / "trees")
     wins = n = 0
@@ -362,7 +366,6 @@ def _progress_lines(
 
 
 def _print_action_format(console: Any, well: int, judged: int) -> None:
-    from agentree.rollout.base import describe_action_format
 
     line = describe_action_format(well, judged)
     if line is not None:
@@ -371,7 +374,6 @@ def _print_action_format(console: Any, well: int, judged: int) -> None:
 
 # -- eval ---------------------------------------------------------------------------------------
 def cmd_eval(args: argparse.Namespace) -> int:
-    from agentree.evaluation import run_eval
 
     if not args.output:
         raise ValueError("agentree eval needs --output DIR")
@@ -396,7 +398,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_configs(args: argparse.Namespace) -> int:
-    from agentree.config import available_configs
 
     for name in available_configs():
         print(name)
@@ -424,11 +425,6 @@ def add_sft_command(sub: Any) -> None:
 
 
 def cmd_sft(args: Any) -> int:
-    from agentree.chat import ChatFormat
-    from agentree.config import load_config
-    from agentree.envs.base import env_class
-    from agentree.policy import resolve_policy
-    from agentree.sft import SFTConfig, load_examples, run_sft
 
     cfg = load_config(
         args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
