@@ -1,5 +1,5 @@
-"""The module graph of `agentree` has no cycle, and an import inside a function is there only
-to defer a heavy optional dependency, which a comment right above it names.
+"""The module graph of `agentree` has no cycle and no import from a lower layer to a higher
+one (the layers of docs/architecture.md).
 
 Read with `ast` from the source files: module-level imports give the graph (a cycle means a
 missing seam); function-level imports of agentree modules count too, since a deferred import
@@ -97,3 +97,61 @@ def test_module_level_imports_are_acyclic():
 def test_all_imports_of_agentree_modules_are_acyclic():
     """Deferred imports of agentree's own modules included: no hidden circle either."""
     assert find_cycle(graph(in_functions=True)) is None
+
+
+LAYERS = [
+    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat"]),
+    (
+        "parts",
+        [
+            "agentree.envs", "agentree.scorers", "agentree.engines", "agentree.models",
+            "agentree.rollout", "agentree.swe", "agentree.sft", "agentree.prompts",
+            "agentree.configs",
+        ],
+    ),
+    (
+        "algorithms",
+        [
+            "agentree.config", "agentree.update", "agentree.advantages", "agentree.loss",
+            "agentree.batching", "agentree.packing", "agentree.lora", "agentree.checkpoint",
+            "agentree.resume", "agentree.plan", "agentree.policy",
+        ],
+    ),
+    (
+        "seams",
+        [
+            "agentree.rollouts", "agentree.learner", "agentree.sharding", "agentree.distributed",
+            "agentree.launch",
+        ],
+    ),
+    ("assembly", ["agentree.runtime"]),
+    ("loop", ["agentree.trainer", "agentree.evaluation", "agentree.tracking", "agentree.view"]),
+    (
+        "commands",
+        [
+            "agentree.cli", "agentree.__main__", "agentree.serve", "agentree.plot",
+            "agentree.export", "agentree.viewer", "agentree.swe.cli",
+        ],
+    ),
+]  # fmt: skip
+"""Lowest first; a module belongs to the layer of its longest matching prefix."""
+
+
+def layer_of(module: str) -> int:
+    best = max(
+        ((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+         if module == p or module.startswith(p + ".")),
+        default=None,
+    )  # fmt: skip
+    assert best is not None, f"{module} is in no layer of LAYERS: add it"
+    return best[1]
+
+
+def test_no_import_points_up_a_layer():
+    up = [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+        for m, deps in sorted(graph(in_functions=True).items())
+        for d in sorted(deps)
+        if layer_of(d) > layer_of(m)
+    ]
+    assert up == []
