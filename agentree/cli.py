@@ -266,7 +266,7 @@ def train_entry(cfg: Any, resume: bool) -> int:
                 )
                 if live:
                     progress.update(bar, completed=step, status=status)
-                else:
+                elif rank == 0:  # the other ranks hold no rollout metrics
                     print(f"step {step}/{cfg.train.steps} {status}", file=sys.stderr, flush=True)
 
             history = trainer.fit(on_step)
