@@ -45,6 +45,7 @@ from agentree.sharding import (
     broadcast_object,
     build_trainable,
     init_distributed,
+    release_distributed,
     use_cuda,
 )
 from agentree.tree import Trajectory, Tree
@@ -224,8 +225,7 @@ class ShardedLearner(Learner):
         self._stale = True
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_distributed()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ frozen base is kept in bf16 (it has no gradient, so no fp32 master copy), adapte
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import os
@@ -53,6 +54,9 @@ def init_distributed(cfg: ExperimentConfig) -> tuple[int, int]:
                     f"{cfg.train.world_size}; pass --set train.world_size={world}"
                 )
             dist.init_process_group(backend)
+            # a launched rank's group lives as long as its process: every trainer the process
+            # builds joins it (re-forming it on the same rendezvous port can deadlock)
+            atexit.register(release_distributed, force=True)
         else:
             if cfg.train.world_size != 1:
                 raise ValueError("launch ranks with `agentree train` or torchrun")
@@ -60,6 +64,13 @@ def init_distributed(cfg: ExperimentConfig) -> tuple[int, int]:
                 backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
             )
     return dist.get_rank(), dist.get_world_size()
+
+
+def release_distributed(force: bool = False) -> None:
+    """End the one-rank group this process made for itself (a launched rank's group stays
+    until the process exits, unless `force`)."""
+    if dist.is_initialized() and (force or "RANK" not in os.environ):
+        dist.destroy_process_group()
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -505,7 +505,7 @@ def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake)
         assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
         assert stats.extra["distributed/engine_failovers"] >= 1
         assert all(n.end_reason != EndReason.ENV_ERROR for t in trees for n in t.leaves())
-        frt.sync_weights(frt.model)  # reaches the restarted replica once it is back
+        frt.rollouts.sync_weights(frt.model)  # reaches the restarted replica once it is back
         deadline = time.monotonic() + 120
         info: dict = {}
         while time.monotonic() < deadline:
