@@ -98,8 +98,9 @@ LAUNCHER = textwrap.dedent(
 
 
     def paused_save(obj, path, *args, **kwargs):
-        # weights and tokenizer are written, trainer_state.pt not yet
-        if AT == "save" and Path(path).parent.name == f".tmp_step_{STEP:06d}":
+        # weights, optimiser and tokenizer are written, trainer_state.pt not yet
+        named = isinstance(path, str | os.PathLike)  # a distributed checkpoint saves to buffers
+        if AT == "save" and named and Path(path).parent.name == f".tmp_step_{STEP:06d}":
             pause()
         return save(obj, path, *args, **kwargs)
 
