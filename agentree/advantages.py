@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agentree.registry import Registry
 from agentree.tree import Node, Trajectory, Tree
 
 
@@ -445,6 +446,13 @@ def treegrpo_advantages(
 
 
 # -- dispatcher -----------------------------------------------------------------------------
+ESTIMATORS_BY_NAME: Registry[Callable[..., list[list[list[float]]]]] = Registry(
+    "advantage estimator"
+)
+"""Name -> fn(trees, groups, **options) -> per-token advantages; "module:function" also works."""
+
+
+@ESTIMATORS_BY_NAME.register("grpo")
 def _grpo(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
     out = []
     for tree, trajs in zip(trees, groups, strict=True):
@@ -454,6 +462,7 @@ def _grpo(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: A
     return out
 
 
+@ESTIMATORS_BY_NAME.register("treepo")
 def _treepo(
     trees: Sequence[Tree],
     groups: Sequence[Sequence[Trajectory]],
@@ -482,26 +491,24 @@ def _treepo(
     ]
 
 
+@ESTIMATORS_BY_NAME.register("treerl")
 def _treerl(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
     return [treerl_advantages(tree, trajs, **kw) for tree, trajs in zip(trees, groups, strict=True)]
 
 
-def _per_tree(fn: Any) -> Any:
+def _per_tree(name: str, fn: Any) -> None:
+    """Register a per-tree estimator (one tree and its group in, per-token advantages out)."""
+
     def run(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], **kw: Any):
         return [fn(tree, trajs, **kw) for tree, trajs in zip(trees, groups, strict=True)]
 
-    return run
+    ESTIMATORS_BY_NAME.register(name)(run)
 
 
-_DISPATCH = {
-    "grpo": _grpo,
-    "treepo": _treepo,
-    "treerl": _treerl,
-    "gigpo": _per_tree(gigpo_advantages),
-    "rtmc": _per_tree(rtmc_advantages),
-    "treegrpo": _per_tree(treegrpo_advantages),
-}
-ESTIMATORS = tuple(_DISPATCH)
+_per_tree("gigpo", gigpo_advantages)
+_per_tree("rtmc", rtmc_advantages)
+_per_tree("treegrpo", treegrpo_advantages)
+ESTIMATORS = tuple(ESTIMATORS_BY_NAME.names())
 
 ADVANTAGE_OPTIONS: dict[str, dict[str, tuple[str, ...] | type]] = {
     "grpo": {"eps": float, "scale": ("std", "none")},
@@ -529,8 +536,10 @@ ADVANTAGE_OPTIONS: dict[str, dict[str, tuple[str, ...] | type]] = {
 
 def check_advantage_options(name: str, options: dict[str, Any]) -> None:
     """Raise a one-sentence ValueError if `options` are not valid options of estimator `name`."""
-    if name not in _DISPATCH:
+    if name not in ESTIMATORS_BY_NAME and ":" not in name:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ESTIMATORS}")
+    if name not in ADVANTAGE_OPTIONS:
+        return  # a user's estimator ("module:function") checks its own options
     allowed = ADVANTAGE_OPTIONS[name]
     for key, value in options.items():
         if key not in allowed:
@@ -566,4 +575,4 @@ def compute_advantages(
             f"got {len(trees)} trees but {len(trajectories_by_tree)} trajectory groups; "
             "pass one group per tree, in the same order"
         )
-    return _DISPATCH[name](trees, trajectories_by_tree, **kw)
+    return ESTIMATORS_BY_NAME.get(name)(trees, trajectories_by_tree, **kw)

@@ -1,6 +1,7 @@
-"""Checkpoints of a run directory: `checkpoints/step_NNNNNN/` holds the weights and tokenizer
-as a Hugging Face checkpoint (so `--policy DIR` loads it) plus `trainer_state.pt` (optimiser,
-reference weights, RNG states, task cursor). A checkpoint is written under a temporary name
+"""Checkpoints of a run directory: `checkpoints/step_NNNNNN/` holds the learner's part (`dcp/`:
+trainable weights, optimiser, reference; plus the Hugging Face weights or LoRA adapter, so
+`--policy DIR` loads it: `agentree.learner`), the tokenizer and `trainer_state.pt` (step, RNG
+states, task cursor). A checkpoint is written under a temporary name
 and renamed when complete, and a replaced or pruned one is renamed away before it is deleted,
 so every `step_*` directory is complete; `checkpoints/latest` names the newest one and is
 itself replaced atomically. A kill at any point leaves a checkpoint that loads.
@@ -11,19 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
-
-
-def save_checkpoint(
-    run_dir: Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any], keep: int
-) -> Path:
-    tmp = begin_checkpoint(run_dir, step)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, **state}, tmp / "trainer_state.pt")
-    return finish_checkpoint(run_dir, step, keep)
 
 
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
@@ -67,14 +55,3 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return root / name
     done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.pt").exists())
     return done[-1] if done else None
-
-
-def load_checkpoint(ckpt: Path, model: Any) -> dict[str, Any]:
-    """Load the weights into `model`; return the trainer state."""
-    from safetensors.torch import load_file
-
-    weights = load_file(str(ckpt / "model.safetensors"))
-    model.load_state_dict(weights, strict=False)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
-    return torch.load(ckpt / "trainer_state.pt", weights_only=False)

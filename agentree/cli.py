@@ -12,6 +12,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from agentree.chat import ChatFormat
+from agentree.checkpoint import latest_checkpoint
+from agentree.config import available_configs, load_config
+from agentree.distributed.ranks import launch_on_ray
+from agentree.envs.base import env_class
+from agentree.evaluation import run_eval, success
+from agentree.export import add_export_command
+from agentree.launch import spawn_ranks
+from agentree.models.cli import add_models_command
+from agentree.models.warm import walker_baseline
+from agentree.plan import dry_run
+from agentree.plot import add_plot_command
+from agentree.policy import resolve_policy
+from agentree.resume import resume_config
+from agentree.rollout.base import action_format, describe_action_format
+from agentree.runtime import Runtime
+from agentree.serve import add_serve_command
+from agentree.sft import SFTConfig, load_examples, run_sft
+from agentree.swe.cli import add_swe_commands
+from agentree.tree import save_trees
+from agentree.view import add_view_command
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -65,39 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("configs", help="list the shipped experiment configs")
     p.set_defaults(func=cmd_configs)
 
-    for hook in _command_hooks():
-        hook(sub)
-    return parser
-
-
-def _command_hooks() -> list[Callable[[Any], None]]:
-    """Subcommands that live next to the code they drive."""
-    import importlib
-    import importlib.util
-
-    hooks = []
-    for module, name in (
-        ("agentree.serve", "add_serve_command"),
-        ("agentree.swe.cli", "add_swe_commands"),
-        ("agentree.view", "add_view_command"),
-        ("agentree.plot", "add_plot_command"),
-        ("agentree.export", "add_export_command"),
-        ("agentree.sft", "add_sft_command"),
-        ("agentree.models.cli", "add_models_command"),
+    # subcommands that live next to the code they drive
+    for add in (
+        add_serve_command,
+        add_swe_commands,
+        add_view_command,
+        add_plot_command,
+        add_export_command,
+        add_sft_command,
+        add_models_command,
     ):
-        if importlib.util.find_spec(module.rpartition(".")[0]) and importlib.util.find_spec(module):
-            hooks.append(getattr(importlib.import_module(module), name))
-    return hooks
+        add(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     # agentree shows its own progress; silence the per-file bars of model loading/saving
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # ranks re-run the same command
-    debug = args.debug or os.environ.get("AGENTREE_DEBUG") == "1"
+    if args.debug:
+        os.environ["AGENTREE_DEBUG"] = "1"  # ranks started from here inherit it
+    return reported(args.func, args)
+
+
+def reported(fn: Callable[..., Any], *args: Any) -> int:
+    """`fn(*args)` as an exit code; an error a user can act on is one line, not a traceback
+    (AGENTREE_DEBUG=1 or --debug shows it)."""
+    debug = os.environ.get("AGENTREE_DEBUG") == "1"
     try:
-        return int(args.func(args) or 0)
+        return int(fn(*args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -110,13 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- helpers ------------------------------------------------------------------------------------
 def _console():
-    from rich.console import Console
 
     return Console(stderr=True, highlight=False)
 
 
 def _load(args: argparse.Namespace):
-    from agentree.config import load_config
 
     select = {
         "env": args.env,
@@ -146,9 +165,6 @@ def _write_config(cfg, run_dir: Path) -> None:
 
 # -- train --------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from agentree.resume import resume_config
 
     rank = int(os.environ.get("RANK", "0"))
     console = _console()
@@ -168,8 +184,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = _load(args)
     if args.dry_run:
-        from agentree.plan import dry_run
-
         print(dry_run(cfg))
         return 0
     if not cfg.output and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -178,33 +192,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.output = str(run_dir)
     if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
-    from agentree.checkpoint import latest_checkpoint
-    from agentree.parallel import check_train_config, make_trainer, spawn_ranks
-
-    check_train_config(cfg.train)
-    if cfg.train.world_size > 1 and "RANK" not in os.environ:
-        argv = [*args.argv, "--output", str(run_dir)] if not args.output else args.argv
-        if cfg.distributed.backend == "ray":
-            from agentree.distributed.ranks import train_on_ray
-
-            return train_on_ray(cfg, argv)
-        return spawn_ranks(cfg.train.world_size, argv)
     if rank == 0:
         _write_config(cfg, run_dir)
+    if cfg.train.world_size > 1 and "RANK" not in os.environ:
+        if cfg.distributed.backend == "ray":
+            codes = launch_on_ray(cfg, train_rank, (cfg, args.resume, os.getcwd()))
+            return next((int(c) for c in codes if c), 0)
 
+        return spawn_ranks(cfg.train.world_size, train_rank, (cfg, args.resume, os.getcwd()))
+    return train_entry(cfg, args.resume)
+
+
+def train_rank(cfg: Any, resume: bool, cwd: str) -> int:
+    """The entry point of a rank that `spawn_ranks` or a Ray actor started."""
+    os.chdir(cwd)  # relative paths resolve as in the launching process
+    return reported(train_entry, cfg, resume)
+
+
+def train_entry(cfg: Any, resume: bool) -> int:
+    """Train `cfg` (resolved, with its run directory set) on this rank: the entry point of
+    every rank, whoever launched it (this process, torchrun, `spawn_ranks` or a Ray actor)."""
+
+    # deferred: the trainer imports torch, which `agentree --help` should not pay for
+    from agentree.trainer import Trainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    console = _console()
+    console.quiet = rank > 0
+    run_dir = Path(cfg.output)
     t0 = time.perf_counter()
     console.print(
         f"[bold]agentree train[/] env={cfg.env['name']} rollout={cfg.rollout['name']} "
         f"scorer={cfg.scorer['name']} policy={cfg.policy.path} steps={cfg.train.steps} "
         f"-> {run_dir}"
     )
-    trainer = make_trainer(cfg, run_dir, log=console.print)
+    trainer = Trainer(cfg, run_dir, log=console.print)
     try:
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
-        if args.resume and trainer.resume():
+        if resume and trainer.resume():
             ckpt = latest_checkpoint(run_dir)
             console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
-        elif args.resume:
+        elif resume:
             console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
         progress = Progress(
             TextColumn("[bold]train"),
@@ -243,7 +271,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 )
                 if live:
                     progress.update(bar, completed=step, status=status)
-                else:
+                elif rank == 0:  # the other ranks hold no rollout metrics
                     print(f"step {step}/{cfg.train.steps} {status}", file=sys.stderr, flush=True)
 
             history = trainer.fit(on_step)
@@ -272,7 +300,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
     _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
-    from agentree.models.warm import walker_baseline
 
     walker = walker_baseline(cfg)
     if walker is not None:  # the reference a FrozenLake curve is read against
@@ -284,8 +311,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 # -- rollout ------------------------------------------------------------------------------------
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from agentree.rollout.base import action_format
-    from agentree.runtime import Runtime
 
     if not args.output:
         raise ValueError("agentree rollout needs --output DIR")
@@ -293,25 +318,26 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     cfg = _load(args)
     run_dir = Path(args.output)
     _write_config(cfg, run_dir)
-    rt = Runtime(cfg, log=console.print)
+    rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
     try:
-        tasks = rt.load_tasks(args.tasks, split="train")
+        tasks = rt.tasks["train"]
         rt.env_cls.prepare_tasks(tasks, progress=console.print, **rt.env_kwargs)
         console.print(
             f"[bold]agentree rollout[/] {cfg.rollout['name']} on {len(tasks)} {cfg.env['name']} "
             f"tasks -> {run_dir}"
         )
         with console.status("rolling out") as status:
-            trees, stats = rt.rollout(tasks, progress=_progress_lines(console, status.update))
+            trees, stats = rt.rollouts.rollout(
+                tasks, progress=_progress_lines(console, status.update)
+            )
     finally:
         rt.close()
-    from agentree.tree import save_trees
 
     save_trees(trees, run_dir / "trees")
     wins = n = 0
     for tree in trees:
         for t in rt.controller.group(tree):
-            wins += rt.success(tree, t)
+            wins += success(tree, t.leaf)
             n += 1
     d = stats.to_dict()
     well, judged = action_format(trees)
@@ -345,7 +371,6 @@ def _progress_lines(
 
 
 def _print_action_format(console: Any, well: int, judged: int) -> None:
-    from agentree.rollout.base import describe_action_format
 
     line = describe_action_format(well, judged)
     if line is not None:
@@ -354,7 +379,6 @@ def _print_action_format(console: Any, well: int, judged: int) -> None:
 
 # -- eval ---------------------------------------------------------------------------------------
 def cmd_eval(args: argparse.Namespace) -> int:
-    from agentree.evaluation import run_eval
 
     if not args.output:
         raise ValueError("agentree eval needs --output DIR")
@@ -379,10 +403,65 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_configs(args: argparse.Namespace) -> int:
-    from agentree.config import available_configs
 
     for name in available_configs():
         print(name)
+    return 0
+
+
+# -- sft --------------------------------------------------------------------------------
+def add_sft_command(sub: Any) -> None:
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL or agentree trees")
+    p.add_argument("--env", help="env whose system prompt (and tiny policy) to use")
+    p.add_argument("--config", help="config name or YAML file (env settings, policy)")
+    p.add_argument("--data", required=True, help="chat JSONL file, or a run/trees directory")
+    p.add_argument("--output", required=True, help="directory for the fine-tuned policy")
+    p.add_argument("--policy", help="policy to start from (default: the config's, e.g. tiny)")
+    p.add_argument("--min-reward", type=float, help="keep tree trajectories with reward >= this")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per optimiser step")
+    p.add_argument("--max-length", type=int, default=4096, help="tokens per example at most")
+    p.add_argument("--seed", type=int, default=0, help="example order seed")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args: Any) -> int:
+
+    cfg = load_config(
+        args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
+    )
+    policy = resolve_policy(cfg, print)
+    env_name, env_kwargs = cfg.component("env")
+    env = env_class(env_name)(**env_kwargs)
+    try:
+        system = env.system_prompt
+    finally:
+        env.close()
+    # deferred: transformers is heavy
+    from transformers import AutoTokenizer
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
+    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
+    sft = SFTConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        seed=args.seed,
+        dtype=cfg.policy.dtype,
+        device=cfg.policy.device,
+    )
+    summary = run_sft(policy, examples, args.output, sft)
+    losses = summary["epoch_loss"]
+    print(
+        f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "
+        f"tokens), loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary['wall_s']:.0f}s; "
+        f"continue with: agentree train --policy {args.output}"
+    )
     return 0
 
 

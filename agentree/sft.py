@@ -56,7 +56,7 @@ class SFTConfig(BaseModel):
     device: str = "auto"
     """auto, cpu, cuda, ..."""
     lora_r: int = Field(0, ge=0)
-    """LoRA rank (peft, on `train.lora`'s default projections); 0 trains all weights. The
+    """LoRA rank (peft, on every linear layer but the output layer); 0 trains all weights. The
     adapters are merged into the saved model, so the output is a plain checkpoint."""
 
 
@@ -239,10 +239,11 @@ def run_sft(
         )
     torch.manual_seed(cfg.seed)
     if cfg.lora_r:
-        from agentree.config import LoraSettings
-        from agentree.lora import add_lora
+        # deferred: peft is the optional `train` extra
+        from peft import LoraConfig, get_peft_model
 
-        model = add_lora(model, LoraSettings(r=cfg.lora_r))
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear")
+        model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.epochs * math.ceil(len(data) / cfg.batch_size)
@@ -339,62 +340,3 @@ def sft_lr(peak: float, step: int, steps: int) -> float:
         return peak * (step + 1) / warm
     progress = (step - warm) / max(steps - warm, 1)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-# -- command line --------------------------------------------------------------------------------
-def add_sft_command(sub: Any) -> None:
-    p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL or agentree trees")
-    p.add_argument("--env", help="env whose system prompt (and tiny policy) to use")
-    p.add_argument("--config", help="config name or YAML file (env settings, policy)")
-    p.add_argument("--data", required=True, help="chat JSONL file, or a run/trees directory")
-    p.add_argument("--output", required=True, help="directory for the fine-tuned policy")
-    p.add_argument("--policy", help="policy to start from (default: the config's, e.g. tiny)")
-    p.add_argument("--min-reward", type=float, help="keep tree trajectories with reward >= this")
-    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
-    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per optimiser step")
-    p.add_argument("--max-length", type=int, default=4096, help="tokens per example at most")
-    p.add_argument("--seed", type=int, default=0, help="example order seed")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
-    )
-    p.set_defaults(func=cmd_sft)
-
-
-def cmd_sft(args: Any) -> int:
-    from agentree.chat import ChatFormat
-    from agentree.config import load_config
-    from agentree.envs.base import env_class
-    from agentree.runtime import resolve_policy
-
-    cfg = load_config(
-        args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
-    )
-    policy = resolve_policy(cfg, print)
-    env_name, env_kwargs = cfg.component("env")
-    env = env_class(env_name)(**env_kwargs)
-    try:
-        system = env.system_prompt
-    finally:
-        env.close()
-    from transformers import AutoTokenizer
-
-    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
-    sft = SFTConfig(
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        seed=args.seed,
-        dtype=cfg.policy.dtype,
-        device=cfg.policy.device,
-    )
-    summary = run_sft(policy, examples, args.output, sft)
-    losses = summary["epoch_loss"]
-    print(
-        f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "
-        f"tokens), loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary['wall_s']:.0f}s; "
-        f"continue with: agentree train --policy {args.output}"
-    )
-    return 0

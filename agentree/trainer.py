@@ -20,14 +20,20 @@ Differences from the papers, on purpose:
   (`train.log_ratio_clamp`) are on by default; on-policy (one epoch, one minibatch) they are
   inert. `configs/frozenlake_patr_eq2.yaml` turns them off and is PATR Eq. 2 as printed.
 
-This file is the loop (roll out, update, sync weights, evaluate, save). The pieces it calls:
-`agentree.update` (advantages, micro-batches, loss, optimiser steps), `agentree.batching`
-(trajectories to tensors) and `agentree.checkpoint` (run-directory checkpoints).
+This file is the one loop (roll out, update, publish weights, evaluate, save) for every
+combination the config allows. It talks to two seams and does not know which implementation
+sits behind either:
+- `agentree.rollouts.Rollouts` makes the trees: in this process, on a thread ahead of the update
+  (`train.async_steps=1`), or on Ray rollout workers;
+- `agentree.learner.Learner` holds the trainable weights: one process training the engine's own
+  model, or a separate copy (FSDP2 ranks, LoRA, bf16). Every rank runs this loop; rank 0 rolls
+  out and broadcasts the batch (`agentree.sharding`), every rank updates.
+The update itself is `agentree.update` (advantages, micro-batches, loss, optimiser steps); the
+run directory's checkpoints are `agentree.checkpoint` plus the learner's weights.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -39,21 +45,25 @@ from typing import Any
 import torch
 
 from agentree.batching import Batch, make_batch, token_logprobs
-from agentree.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from agentree.config import ExperimentConfig
+from agentree.checkpoint import begin_checkpoint, finish_checkpoint, latest_checkpoint
+from agentree.config import ExperimentConfig, LogConfig
 from agentree.envs.base import Task
+from agentree.evaluation import evaluate, success
+from agentree.learner import Learner, make_learner
 from agentree.resume import StopSignals, trim_metrics
 from agentree.rollout.base import RolloutStats, action_format
-from agentree.runtime import Runtime, evaluate
+from agentree.rollouts import PendingRollout
+from agentree.runtime import Runtime
+from agentree.sharding import barrier, broadcast_object, init_distributed
 from agentree.tracking import Tracker
 from agentree.tree import EndReason, Trajectory, Tree, save_trees
-from agentree.update import PolicyUpdate
 
 __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 
 
 class Trainer:
-    """Owns the runtime (policy, engine, envs, controller), the optimiser and the run dir."""
+    """The training loop of one rank: rank 0 also owns the runtime (rollouts, engine, tasks)
+    and the run directory."""
 
     progress: Callable[[str], None] | None = None
     """Receives the rollout's live progress (per worker on Ray) while a step rolls out."""
@@ -67,32 +77,41 @@ class Trainer:
     ):
         self.cfg = cfg
         self.dir = run_dir
-        self.log = log
-        self.rt = runtime or Runtime(cfg, log=log)
-        self.model = self.rt.model
         tc = cfg.train
-        self.ref = None
-        if tc.kl_coef > 0:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.rank, self.world = init_distributed(cfg)
+        self.log = log if self.rank == 0 else _quiet
         self.step = 0
         self.rng = random.Random(cfg.seed)
-        self.updater = PolicyUpdate(
-            self.model,
-            tc,
-            ref=self.ref,
-            temperature=cfg.engine.temperature,
-            pad_id=self.rt.tokenizer.pad_token_id or 0,
-            rng=self.rng,
-        )
-        self.opt = self.updater.opt
-        self.train_tasks = self.rt.load_tasks(cfg.tasks, split="train")
+        self.rt: Runtime | None = None
+        if self.rank == 0:
+            tasks = {"train": cfg.tasks, "eval": cfg.eval.tasks}
+            self.rt = runtime or Runtime(cfg, log=log, tasks=tasks)
+        self.learner: Learner = make_learner(cfg, self.rt, self.rng)
+        self.train_tasks: list[Task] = []
+        if self.rt is not None:
+            self.train_tasks = self.rt.tasks.get("train") or self.rt.load_tasks(cfg.tasks)
         self._order: list[int] = []
         self._cursor = 0
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
-        self.tracker = Tracker(cfg.log, run_dir, cfg.model_dump(), tc.trees_every)
-        self._pending: tuple[Any, int] | None = None
+        log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
+        self.tracker = Tracker(log_cfg, run_dir, cfg.model_dump(), tc.trees_every)
+        self._pending: tuple[PendingRollout, int] | None = None
         """async_steps=1: the next step's rollout in flight, and the weight version it samples."""
+        self._weights: Any = self.learner.publish()  # a collective under FSDP
+        """What the engines were last given (rank 0)."""
+
+    @property
+    def model(self) -> Any:
+        return self.learner.model
+
+    @property
+    def updater(self) -> Any:
+        return self.learner.updater
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.learner.opt
 
     # -- tasks -------------------------------------------------------------------------------
     def next_tasks(self, n: int) -> list[Task]:
@@ -131,8 +150,11 @@ class Trainer:
         return history
 
     def evaluate(self, log: bool = True) -> dict[str, float]:
+        if self.rt is None:
+            return {}
         result = evaluate(self.rt, self.cfg, seed=self.cfg.seed + 7919 * (self.step + 1))
-        metrics = {f"eval/{k}": v for k, v in result["summary"].items()}
+        summary = result["summary"]
+        metrics = {f"eval/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
         self.write_metrics(metrics)
         if log:
             s = result["summary"]
@@ -144,9 +166,28 @@ class Trainer:
         return metrics
 
     def train_step(self) -> dict[str, float]:
-        """Roll out, update, sync. With `async_steps=1` the rollout of step t+1 is started
-        (on the weights of step t) before step t's update and collected at step t+1, so every
-        batch is at most one update stale and its pi_old is the sampling log-probs."""
+        """Roll out (rank 0), update (every rank), publish the weights. With `async_steps=1`
+        the rollout of step t+1 is started (on the weights of step t) before step t's update
+        and collected at step t+1, so every batch is at most one update stale and its pi_old
+        is the sampling log-probs."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        payload = None
+        if self.rt is not None:
+            metrics, payload = self._rollout_step()
+        trees, groups, stale = broadcast_object(payload)
+        self.stop.hold()  # an interrupted update would checkpoint half-updated weights
+        if trees:
+            t1 = time.perf_counter()
+            metrics.update(self.update(trees, groups, stale=stale))
+            metrics["time/update_s"] = time.perf_counter() - t1
+        self.publish()
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _rollout_step(self) -> tuple[dict[str, float], Any]:
+        """Rank 0: this step's batch (and the next step's rollout started, when async)."""
+        assert self.rt is not None
         tc = self.cfg.train
         t0 = time.perf_counter()
         self._step_start = self._loop_state()  # what a checkpoint holds if the rollout is cut
@@ -154,48 +195,46 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         staleness = self.step - version
         if tc.async_steps and self.step + 1 < tc.steps:
-            self._pending = (
-                self.rt.submit(self.next_tasks(tc.tasks_per_step), step=self.step + 1),
-                self.step,
+            pending = self.rt.rollouts.submit(
+                self.next_tasks(tc.tasks_per_step), step=self.step + 1
             )
+            self._pending = (pending, self.step)
         metrics = self._rollout_metrics(trees, trajs, stats)
         metrics["train/groups_dropped"] = dropped
         metrics["train/staleness"] = float(staleness)
+        metrics["time/rollout_s"] = t_roll
         if tc.trees_every and (self.step + 1) % tc.trees_every == 0:
             self.save_trees(trees)
         usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
-        self.stop.hold()  # an interrupted update would checkpoint half-updated weights
-        if usable:
-            t1 = time.perf_counter()
-            metrics.update(
-                self.update([u[0] for u in usable], [u[1] for u in usable], stale=staleness > 0)
-            )
-            metrics["time/update_s"] = time.perf_counter() - t1
-        if self._pending is None:
-            self.rt.sync_weights(self.model)
-        else:  # engines sampling the pending rollout keep their weights until it is collected
-            self.rt.engine.sync_weights(self.model)
-        metrics["time/rollout_s"] = t_roll
-        metrics["time/step_s"] = time.perf_counter() - t0
-        return metrics
+        return metrics, ([u[0] for u in usable], [u[1] for u in usable], staleness > 0)
+
+    def publish(self) -> None:
+        """The learner's weights into the engines (a collective under FSDP). Engines sampling
+        a pending rollout keep their weights until it is collected."""
+        weights = self.learner.publish()
+        if self.rt is not None:
+            self._weights = weights
+            self.rt.rollouts.sync_weights(weights, busy=self._pending is not None)
 
     def _first_round(self, n: int) -> tuple[list[Tree], RolloutStats, int]:
         """The prefetched rollout (async) or a fresh one; and the weight version it sampled."""
+        assert self.rt is not None
         if self._pending is None:
-            return *self.rt.rollout(
+            return *self.rt.rollouts.rollout(
                 self.next_tasks(n), step=self.step, progress=self.progress
             ), self.step
         pending, version = self._pending
         self._pending = None
         trees, st = pending.result()
-        # replicas were left on the old weights while that rollout ran; catch them up now
-        self.rt.sync_weights(self.model)
+        # engines were left on the old weights while that rollout ran; catch them up now
+        self.rt.rollouts.sync_weights(self._weights)
         return trees, st, version
 
     def _collect(self) -> tuple[list[Tree], list[list[Trajectory]], RolloutStats, int, int]:
         """Roll out a batch; with dynamic sampling, replace uninformative groups.
         Trajectories that ended in an env error (a crashed env or a lost worker) are not the
         policy's doing and stay out of the loss."""
+        assert self.rt is not None
         tc = self.cfg.train
         stats = RolloutStats()
         keep_trees: list[Tree] = []
@@ -208,7 +247,7 @@ class Trainer:
             if rounds == 0:
                 trees, st, version = self._first_round(need)
             else:
-                trees, st = self.rt.rollout(
+                trees, st = self.rt.rollouts.rollout(
                     self.next_tasks(need), step=self.step, progress=self.progress
                 )
             stats.add(st)
@@ -241,7 +280,7 @@ class Trainer:
         m["scorer/calls"] = float(stats.scorer_calls)
         m["scorer/fallbacks"] = float(stats.scorer_fallbacks)
         m["train/reward_mean"] = sum(t.reward for t in flat) / n
-        wins = [self.rt.success(tree, t) for tree, ts in zip(trees, trajs, strict=True) for t in ts]
+        wins = [success(tree, t.leaf) for tree, ts in zip(trees, trajs, strict=True) for t in ts]
         m["train/success_rate"] = sum(wins) / n
         m["train/group_size"] = len(flat) / max(len(trajs), 1)
         m["train/turns_mean"] = sum(t.num_turns for t in flat) / n
@@ -255,11 +294,13 @@ class Trainer:
     def update(
         self, trees: list[Tree], groups: list[list[Trajectory]], stale: bool = False
     ) -> dict[str, float]:
-        self.updater.model = self.model
-        return self.updater(trees, groups, lr=lr_at(self.cfg.train, self.step), stale=stale)
+        lr = lr_at(self.cfg.train, self.step)
+        return self.learner.update(trees, groups, lr=lr, stale=stale)
 
     # -- run directory -----------------------------------------------------------------------
     def write_metrics(self, metrics: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
         row = {"step": self.step, "time": round(time.time(), 3), **metrics}
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -269,19 +310,25 @@ class Trainer:
         save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")
 
     def save(self) -> Path:
-        state = {
-            "optimizer": self.opt.state_dict(),
-            "ref": None if self.ref is None else self.ref.state_dict(),
-            **(self._step_start or self._loop_state()),
-        }
-        return save_checkpoint(
-            self.dir,
-            self.step,
-            self.model,
-            self.rt.tokenizer,
-            state,
-            keep=self.cfg.train.keep_checkpoints,
-        )
+        """A checkpoint of this step (every rank takes part); the same format for every
+        learner, so any learner on any world size resumes it."""
+        tmp = begin_checkpoint(self.dir, self.step) if self.rank == 0 else None
+        tmp = Path(broadcast_object(str(tmp)))
+        self.learner.save(tmp)
+        ckpt = self.dir / "checkpoints" / f"step_{self.step:06d}"
+        if self.rt is not None:
+            self.rt.tokenizer.save_pretrained(tmp)
+            lora = self.cfg.train.lora
+            state = {
+                "step": self.step,
+                **(self._step_start or self._loop_state()),
+                "policy": self.rt.policy_path,
+                "lora": lora.model_dump() if lora.r else None,
+            }
+            torch.save(state, tmp / "trainer_state.pt")
+            ckpt = finish_checkpoint(self.dir, self.step, self.cfg.train.keep_checkpoints)
+        barrier()
+        return ckpt
 
     def _restore_loop_state(self, state: dict[str, Any]) -> None:
         """The step, task order and RNGs of a checkpoint's trainer state."""
@@ -299,24 +346,32 @@ class Trainer:
         }
 
     def resume(self) -> bool:
-        """Load the latest checkpoint of the run directory, if any, and drop the metrics rows
-        written after it (all of them when there is none: the run starts over)."""
+        """Load the latest checkpoint of the run directory (written by any learner on any
+        world size), if any, and drop the metrics rows written after it (all of them when
+        there is none: the run starts over)."""
         ckpt = latest_checkpoint(self.dir)
         if ckpt is None:
-            trim_metrics(self.dir / "metrics.jsonl", None)
+            if self.rank == 0:
+                trim_metrics(self.dir / "metrics.jsonl", None)
             return False
-        state = load_checkpoint(ckpt, self.model)
-        self.opt.load_state_dict(state["optimizer"])
-        if self.ref is not None and state["ref"] is not None:
-            self.ref.load_state_dict(state["ref"])
-        self._restore_loop_state(state)
-        self.rt.sync_weights(self.model)
-        trim_metrics(self.dir / "metrics.jsonl", self.step)
+        self.learner.load(ckpt)
+        self._restore_loop_state(torch.load(ckpt / "trainer_state.pt", weights_only=False))
+        self.publish()
+        if self.rank == 0:
+            trim_metrics(self.dir / "metrics.jsonl", self.step)
         return True
 
     def close(self) -> None:
         self.tracker.close()
-        self.rt.close()
+        try:
+            if self.rt is not None:
+                self.rt.close()
+        finally:
+            self.learner.close()
+
+
+def _quiet(msg: str) -> None:
+    pass
 
 
 def lr_at(tc: Any, step: int) -> float:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from agentree.evaluation import success
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
 _STEP_FILE = re.compile(r"^step(\d+)_")
@@ -98,12 +99,6 @@ def rollout_group(tree: Tree) -> list[Trajectory]:
     return tree.trajectories(include_pruned=not best_n)
 
 
-def _success(tree: Tree, leaf: int) -> bool:
-    from agentree.evaluation import _leaf_success
-
-    return _leaf_success(tree, leaf)
-
-
 def node_kind(tree: Tree, node_id: int) -> str:
     """root, expanded (a branch point), pruned, error, leaf (finished), surviving or plain."""
     n = tree.nodes[node_id]
@@ -166,7 +161,7 @@ def tree_payload(tree: Tree, estimator: str, kw: dict[str, Any], file: str) -> d
             ret=round(ret, 6),
             advantage=leaf_adv.get(n.id, segment_adv.get(n.id)),
             in_group=n.id in in_group,
-            success=_success(tree, n.id) if n.end_reason is not None else None,
+            success=success(tree, n.id) if n.end_reason is not None else None,
         )
         nodes.append(d)
     d = tree.to_dict()

@@ -46,11 +46,11 @@ def run_engine(backend: str, args: argparse.Namespace) -> dict[str, Any]:
             "grpo": make_controller("grpo", G=args.group),
         }
         for name, ctrl in controllers.items():
-            ctrl.rollout(warm, rt.context())
+            ctrl.rollout(warm, rt.rollouts.context())
             rt.engine.seed(args.seed)
             before = rt.engine.stats.snapshot()
             t1 = time.perf_counter()
-            trees, stats = ctrl.rollout(bench, rt.context())
+            trees, stats = ctrl.rollout(bench, rt.rollouts.context())
             wall = time.perf_counter() - t1
             after = rt.engine.stats.snapshot()
             trajs = sum(len(ctrl.group(t)) for t in trees)

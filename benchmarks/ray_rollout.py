@@ -76,11 +76,11 @@ def run_env(env: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         else:
             warm, bench = tasks[n:], tasks[:n]
         for rt in runtimes.values():
-            rt.rollout(warm)
+            rt.rollouts.rollout(warm)
         for rnd in range(args.rounds):
             for label, rt in runtimes.items():
                 t1 = time.perf_counter()
-                _trees, stats = rt.rollout(bench, rng=random.Random(args.seed + rnd))
+                _trees, stats = rt.rollouts.rollout(bench, rng=random.Random(args.seed + rnd))
                 rows[label].append((time.perf_counter() - t1, stats))
     finally:
         for rt in runtimes.values():

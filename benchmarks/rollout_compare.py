@@ -38,7 +38,7 @@ def main() -> None:
     try:
         rt.engine.seed(args.seed)
         rt.engine.sync_weights(rt.model)  # cold prefix cache for a fair start
-        trees, patr = rt.rollout(tasks)
+        trees, patr = rt.rollouts.rollout(tasks)
         sizes = [len(rt.controller.group(t)) for t in trees]
         by_size: dict[int, list] = defaultdict(list)
         for task, g in zip(tasks, sizes, strict=True):
@@ -48,7 +48,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for g, group_tasks in sorted(by_size.items()):
             if g:
-                _, st = FlatGRPO(FlatConfig(G=g)).rollout(group_tasks, rt.context())
+                _, st = FlatGRPO(FlatConfig(G=g)).rollout(group_tasks, rt.rollouts.context())
                 flat.add(st)
         flat.wall_s = time.perf_counter() - t0
     finally:

@@ -2,7 +2,7 @@
 LoRA on an fp32 or a bf16 frozen base.
 
 Each configuration runs in fresh processes: every rank builds the trainable policy exactly as
-`agentree train` does (`agentree.parallel.build_trainable`: rank 0 loads, the other ranks build
+`agentree train` does (`agentree.sharding.build_trainable`: rank 0 loads, the other ranks build
 on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
@@ -111,7 +111,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     from transformers import AutoConfig
 
     from agentree.config import load_config
-    from agentree.parallel import ShardedUpdate, build_trainable, init_distributed
+    from agentree.sharding import ShardedUpdate, build_trainable, init_distributed
 
     overrides = [
         f"train.world_size={world}", f"train.fsdp={str(spec['fsdp']).lower()}",
@@ -142,7 +142,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 
 def measure(spec: dict, world: int) -> list[dict]:
-    from agentree.parallel import free_port
+    from agentree.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="train-memory-") as out:
         mp.spawn(_rank, args=(world, free_port(), spec, out), nprocs=world)

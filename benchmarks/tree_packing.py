@@ -65,7 +65,7 @@ def rollout(name: str, tasks: int, max_tokens: int | None) -> tuple[Runtime, lis
     extra = [] if max_tokens is None else [f"engine.max_tokens={max_tokens}"]
     cfg = load_config(cfg_name, select=select, overrides=overrides + extra)
     rt = Runtime(cfg, log=lambda m: None)
-    trees, _ = rt.rollout(rt.load_tasks(tasks, split="train"))
+    trees, _ = rt.rollouts.rollout(rt.load_tasks(tasks, split="train"))
     groups = [rt.controller.group(t) for t in trees]
     keep = [(t, g) for t, g in zip(trees, groups, strict=True) if g]
     return rt, [k[0] for k in keep], [k[1] for k in keep]

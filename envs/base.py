@@ -9,7 +9,6 @@ seed and that snapshot/restore reproduces the same futures.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from typing import Any, ClassVar
 
 import gymnasium
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from agentree.registry import Registry
 
 EVAL_SEED_OFFSET = 1_000_000_000
 """Held-out tasks draw seeds from here up, train tasks from below: the splits never overlap."""
@@ -251,62 +252,31 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 # -- registry -------------------------------------------------------------------------------
-_BUILTIN: dict[str, str] = {
-    "frozenlake": "agentree.envs.frozenlake:FrozenLakeEnv",
-    "swebench": "agentree.envs.swe:SWEEnv",
-    "countdown": "agentree.envs.countdown:CountdownEnv",
-    "math": "agentree.envs.math:MathEnv",
-    "sokoban": "agentree.envs.sokoban:SokobanEnv",
-}
-_REGISTRY: dict[str, type[Env]] = {}
+ENVS: Registry[type[Env]] = Registry(
+    "env",
+    Env,
+    {
+        "frozenlake": "agentree.envs.frozenlake:FrozenLakeEnv",
+        "swebench": "agentree.envs.swe:SWEEnv",
+        "countdown": "agentree.envs.countdown:CountdownEnv",
+        "math": "agentree.envs.math:MathEnv",
+        "sokoban": "agentree.envs.sokoban:SokobanEnv",
+    },
+)
 
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
     """Class decorator: make an Env subclass available as `make_env(name)` / `--env name`."""
-
-    def deco(cls: type[Env]) -> type[Env]:
-        if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise TypeError(f"@register_env({name!r}) needs an agentree.envs.Env subclass")
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return ENVS.register(name)
 
 
 def env_names() -> list[str]:
-    return sorted(set(_BUILTIN) | set(_REGISTRY))
-
-
-def import_object(path: str) -> Any:
-    """Import `package.module:Name`, with an error a user can act on."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"expected 'package.module:Name', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return ENVS.names()
 
 
 def env_class(name: str) -> type[Env]:
     """Resolve a registered name or a `module:Class` path to an Env subclass."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _BUILTIN:
-        cls = import_object(_BUILTIN[name])
-    elif ":" in name:
-        cls = import_object(name)
-    else:
-        raise ValueError(
-            f"unknown env {name!r}; known: {', '.join(env_names())}, or pass 'package.module:Class'"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ValueError(f"{name!r} is not a subclass of agentree.envs.Env")
-    return cls
+    return ENVS.get(name)
 
 
 def validate_env_kwargs(cls: type[Env], kwargs: dict[str, Any], where: str = "env") -> dict:

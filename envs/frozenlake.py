@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,21 +54,32 @@ def generate_map(size: int, p: float, rng: np.random.Generator) -> list[str]:
             return desc
 
 
-def shortest_path(desc: list[str], start: tuple[int, int], goal: tuple[int, int]) -> int | None:
-    """BFS distance from start to goal with holes blocked; None if unreachable."""
+def distances(desc: Sequence[str], source: tuple[int, int]) -> dict[tuple[int, int], int]:
+    """BFS distance from `source` to every cell it can reach, holes blocked (moves are
+    symmetric, so this is also every cell's distance to `source`). The one BFS of FrozenLake:
+    map generation, the BFS scorer and the scripted expert all read it."""
     n, m = len(desc), len(desc[0])
-    seen = {start}
-    queue = deque([(start, 0)])
+    dist = {source: 0}
+    queue = deque([source])
     while queue:
-        (r, c), d = queue.popleft()
-        if (r, c) == goal:
-            return d
+        r, c = queue.popleft()
         for dr, dc in _DELTA.values():
             nr, nc = r + dr, c + dc
-            if 0 <= nr < n and 0 <= nc < m and (nr, nc) not in seen and desc[nr][nc] != "H":
-                seen.add((nr, nc))
-                queue.append(((nr, nc), d + 1))
-    return None
+            if 0 <= nr < n and 0 <= nc < m and (nr, nc) not in dist and desc[nr][nc] != "H":
+                dist[(nr, nc)] = dist[(r, c)] + 1
+                queue.append((nr, nc))
+    return dist
+
+
+def shortest_path(desc: Sequence[str], start: tuple[int, int], goal: tuple[int, int]) -> int | None:
+    """BFS distance from start to goal with holes blocked; None if unreachable."""
+    return distances(desc, start).get(goal)
+
+
+def distances_to_goal(desc: Sequence[str]) -> dict[tuple[int, int], int]:
+    """BFS distance from every cell that can reach G (holes blocked)."""
+    n, m = len(desc), len(desc[0])
+    return distances(desc, next((r, c) for r in range(n) for c in range(m) if desc[r][c] == "G"))
 
 
 def parse_action(text: str) -> int | None:

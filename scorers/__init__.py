@@ -1,7 +1,7 @@
 """Process scorers (see `base.py` for the contract)."""
 
 from agentree.scorers.base import (
-    Branch,
+    NodePath,
     Score,
     Scorer,
     ScorerConfig,
@@ -12,7 +12,7 @@ from agentree.scorers.base import (
 )
 
 __all__ = [
-    "Branch",
+    "NodePath",
     "Score",
     "Scorer",
     "ScorerConfig",

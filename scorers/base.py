@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from agentree.envs.base import Task, format_validation_error, import_object
+from agentree.envs.base import Task, format_validation_error
+from agentree.registry import Registry
 from agentree.tree import Node
 
-Branch = Sequence[Node]
+NodePath = Sequence[Node]
 """A partial trajectory: the nodes from the root (the task prompt) to the branch's leaf."""
 
 
@@ -48,52 +49,38 @@ class Scorer:
     def __init__(self, config: ScorerConfig | None = None) -> None:
         self.config = config or self.Config()
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         raise NotImplementedError
 
     def close(self) -> None:
         """Release models, clients, servers."""
 
 
-_BUILTIN: dict[str, str] = {
-    "bfs": "agentree.scorers.bfs:BFSScorer",
-    "random": "agentree.scorers.random:RandomScorer",
-    "heuristic": "agentree.scorers.heuristic:TrajectoryHeuristicScorer",
-    "prm": "agentree.scorers.prm:PRMScorer",
-    "judge": "agentree.scorers.judge:JudgeScorer",
-    "none": "agentree.scorers.base:NoScorer",
-    "sokoban": "agentree.scorers.sokoban:SokobanScorer",
-}
-_REGISTRY: dict[str, type[Scorer]] = {}
+SCORERS: Registry[type[Scorer]] = Registry(
+    "scorer",
+    Scorer,
+    {
+        "bfs": "agentree.scorers.bfs:BFSScorer",
+        "random": "agentree.scorers.random:RandomScorer",
+        "heuristic": "agentree.scorers.heuristic:TrajectoryHeuristicScorer",
+        "prm": "agentree.scorers.prm:PRMScorer",
+        "judge": "agentree.scorers.judge:JudgeScorer",
+        "none": "agentree.scorers.base:NoScorer",
+        "sokoban": "agentree.scorers.sokoban:SokobanScorer",
+    },
+)
 
 
 def register_scorer(name: str) -> Callable[[type[Scorer]], type[Scorer]]:
-    def deco(cls: type[Scorer]) -> type[Scorer]:
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return SCORERS.register(name)
 
 
 def scorer_names() -> list[str]:
-    return sorted(set(_BUILTIN) | set(_REGISTRY))
+    return SCORERS.names()
 
 
 def scorer_class(name: str) -> type[Scorer]:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _BUILTIN:
-        cls = import_object(_BUILTIN[name])
-    elif ":" in name:
-        cls = import_object(name)
-    else:
-        raise ValueError(
-            f"unknown scorer {name!r}; known: {', '.join(scorer_names())}, "
-            "or pass 'package.module:Class'"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
-        raise ValueError(f"{name!r} is not a subclass of agentree.scorers.Scorer")
-    return cls
+    return SCORERS.get(name)
 
 
 def make_scorer(name: str, **kwargs: Any) -> Scorer:
@@ -112,5 +99,5 @@ class NoScorer(Scorer):
 
     name = "none"
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         return [Score(None) for _ in branches]

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from agentree.envs.base import Task
-from agentree.scorers.base import Branch, Score, Scorer, ScorerConfig
+from agentree.scorers.base import NodePath, Score, Scorer, ScorerConfig
 from agentree.scorers.trajectory import StepView, step_views
 
 EVIDENCE = frozenset({"search", "read", "test", "run"})
@@ -127,10 +127,10 @@ class TrajectoryHeuristicScorer(Scorer):
     Config = HeuristicConfig
     config: HeuristicConfig
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         return [self.score_one(b)[0] for b in branches]
 
-    def score_one(self, branch: Branch) -> tuple[Score, list[StepView]]:
+    def score_one(self, branch: NodePath) -> tuple[Score, list[StepView]]:
         """The score of one branch and the step views it was computed from."""
         steps = step_views(branch)
         signals = trajectory_signals(steps, self.config.window)

@@ -44,7 +44,7 @@ from pydantic import Field
 
 from agentree.envs.base import Task
 from agentree.prompts import render
-from agentree.scorers.base import Branch, Score, Scorer, ScorerConfig
+from agentree.scorers.base import NodePath, Score, Scorer, ScorerConfig
 from agentree.scorers.heuristic import HeuristicConfig, TrajectoryHeuristicScorer
 from agentree.scorers.trajectory import StepView, clip_middle
 
@@ -215,7 +215,7 @@ class JudgeScorer(Scorer):
             steps="\n\n".join(blocks) or "(no steps yet)",
         ).rstrip()
 
-    def prepare(self, branch: Branch) -> _Prepared:
+    def prepare(self, branch: NodePath) -> _Prepared:
         """The judge request for one branch, and the heuristic score it is blended with."""
         cfg = self.config
         heuristic, steps = self._heuristic.score_one(branch)
@@ -232,7 +232,7 @@ class JudgeScorer(Scorer):
         return _Prepared(key, messages, phase, heuristic)
 
     # -- scoring -------------------------------------------------------------------------------
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         if not branches:
             return []
         prepared = [self.prepare(b) for b in branches]

@@ -33,7 +33,7 @@ from pydantic import Field
 
 from agentree.envs.base import Task
 from agentree.prompts import render
-from agentree.scorers.base import Branch, Score, Scorer, ScorerConfig
+from agentree.scorers.base import NodePath, Score, Scorer, ScorerConfig
 from agentree.scorers.trajectory import clip_middle, one_line
 
 PAPER_PRM = "Skywork/Skywork-o1-Open-PRM-Qwen-2.5-7B"
@@ -108,7 +108,7 @@ class PRMScorer(Scorer):
         self.max_length = min(self.config.max_length, positions or self.config.max_length)
 
     # -- input ---------------------------------------------------------------------------------
-    def step_texts(self, branch: Branch) -> list[str]:
+    def step_texts(self, branch: NodePath) -> list[str]:
         """One single-line text per interaction step (every node after the root)."""
         cfg = self.config
         out = []
@@ -156,7 +156,7 @@ class PRMScorer(Scorer):
         return input_ids, flags, info
 
     # -- scoring -------------------------------------------------------------------------------
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         encoded = []
         for b in branches:
             steps = self.step_texts(b)

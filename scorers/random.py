@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from agentree.envs.base import Task
-from agentree.scorers.base import Branch, Score, Scorer, ScorerConfig
+from agentree.scorers.base import NodePath, Score, Scorer, ScorerConfig
 
 
 class RandomScorerConfig(ScorerConfig):
@@ -22,5 +22,5 @@ class RandomScorer(Scorer):
         super().__init__(config)
         self._rng = random.Random(self.config.seed)
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         return [Score(self._rng.random()) for _ in branches]

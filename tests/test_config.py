@@ -112,10 +112,10 @@ def test_runtime_sampling_carries_the_env_stop_sequences(tiny_frozenlake):
     from agentree.runtime import Runtime
 
     rt = Runtime(load_config(), log=lambda s: None)
-    assert "```Up```" in rt.sampling().stop
+    assert "```Up```" in rt.rollouts.sampling().stop
     rt.close()
     rt = Runtime(load_config(overrides=["env.stop_after_move=false"]), log=lambda s: None)
-    assert rt.sampling().stop == ()
+    assert rt.rollouts.sampling().stop == ()
     rt.close()
 
 

@@ -107,7 +107,7 @@ def test_route_by_prefix_affinity():
 
 def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
     tasks = rt.load_tasks(4)
-    trees, stats = rt.rollout(tasks, rng=random.Random(11))
+    trees, stats = rt.rollouts.rollout(tasks, rng=random.Random(11))
     assert stats.extra["distributed/chunks"] == 2
     # the in-process reference: the same controller on the same chunks with the same seeds
     seed = random.Random(11).getrandbits(63)
@@ -116,9 +116,9 @@ def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
     local = Runtime(local_cfg, log=lambda _m: None)
     try:
         ref = []
-        size = rt.cluster.chunk_size(len(tasks))
+        size = rt.rollouts.chunk_size(len(tasks))
         for c in range(0, len(tasks), size):
-            ctx = local.context()
+            ctx = local.rollouts.context()
             ctx.rng = random.Random(seed + c // size)
             ref += local.controller.rollout(tasks[c : c + size], ctx)[0]
     finally:
@@ -134,16 +134,16 @@ def test_ray_trees_equal_in_process_and_land_on_both_nodes(rt, tiny_frozenlake):
     assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
     assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
     # the cluster runs actors at the driver's priority, not Ray's default niceness of 15
-    assert {ray.get(w.ready.remote())["niceness"] for w in rt.cluster.workers} == {0}
+    assert {ray.get(w.ready.remote())["niceness"] for w in rt.rollouts.workers} == {0}
 
 
 def test_killed_worker_fails_only_its_trees(rt):
-    pids = [ray.get(w.ready.remote())["pid"] for w in rt.cluster.workers]
+    pids = [ray.get(w.ready.remote())["pid"] for w in rt.rollouts.workers]
     tasks = rt.load_tasks(32)  # seconds of work, so the kill lands mid-call
-    pending = rt.cluster.submit(tasks, rt.controller, 0, None, 5)
+    pending = rt.rollouts.start(tasks, rt.controller, 0, None, 5)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # kill worker 0 once its rollout is under way
-        st = {s.get("index"): s for s in rt.cluster.status()}
+        st = {s.get("index"): s for s in rt.rollouts.status()}
         if "trees" in st.get(0, {}).get("status", ""):
             break
         time.sleep(0.05)
@@ -161,12 +161,12 @@ def test_killed_worker_fails_only_its_trees(rt):
     assert stats.env_errors == len(lost)
     assert stats.extra["distributed/worker_restarts"] == 1
     # Ray restarted the actor: the next rollout uses both workers again
-    trees, stats = rt.rollout(tasks[:2])
+    trees, stats = rt.rollouts.rollout(tasks[:2])
     assert stats.env_errors == 0
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # Ray restarts the actor in a new process
         try:
-            assert ray.get(rt.cluster.workers[0].ready.remote())["pid"] != pids[0]
+            assert ray.get(rt.rollouts.workers[0].ready.remote())["pid"] != pids[0]
             break
         except ray.exceptions.ActorUnavailableError:
             time.sleep(1.0)
@@ -307,8 +307,7 @@ def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, l
 def test_prm_scorer_is_one_actor_and_scores_as_in_process(cluster, tiny_frozenlake):
     """`--scorer prm` on Ray: the PRM is loaded once, in a scorer actor the workers call, and
     every score on the trees equals the in-process PRM's score of the same branch."""
-    from agentree.distributed.scorer import RemoteScorer
-    from agentree.scorers.base import make_scorer
+    from agentree.scorers.base import NoScorer, make_scorer
 
     overrides = [
         *SMALL,
@@ -324,12 +323,12 @@ def test_prm_scorer_is_one_actor_and_scores_as_in_process(cluster, tiny_frozenla
     rt_prm = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
     local = make_scorer("prm", model="tiny")
     try:
-        assert isinstance(rt_prm.scorer, RemoteScorer)  # the driver holds no PRM either
-        status = rt_prm.cluster.status()
+        assert isinstance(rt_prm.rollouts.parts.scorer, NoScorer)  # the driver holds no PRM
+        status = rt_prm.rollouts.status()
         assert [s["scorer"] for s in status] == ["RemoteScorer", "RemoteScorer"]
         assert len(set(processes_matching("ray::ScorerActor")) - before) == 1
         tasks = rt_prm.load_tasks(4)
-        trees, stats = rt_prm.rollout(tasks)
+        trees, stats = rt_prm.rollouts.rollout(tasks)
         assert stats.scorer_calls > 0 and stats.scorer_fallbacks == 0
         by_id = {t.id: t for t in tasks}
         scored = 0
@@ -342,7 +341,7 @@ def test_prm_scorer_is_one_actor_and_scores_as_in_process(cluster, tiny_frozenla
                 assert node.score == pytest.approx(want, abs=1e-5)
                 scored += 1
         assert scored >= 4
-        info = ray.get(rt_prm.cluster.scorer_actor.info.remote())
+        info = ray.get(rt_prm.rollouts.scorer_actor.info.remote())
         assert info["scorer"] == "PRMScorer" and info["calls"] > 0
     finally:
         local.close()
@@ -466,7 +465,7 @@ def test_hung_worker_is_bounded_by_the_timeout(cluster):
         hangs = next(t for t in tasks if t.seed % 2 == 1)
         fine = [t for t in tasks if t.seed % 2 == 0]
         t0 = time.monotonic()
-        trees, stats = stall_rt.rollout([hangs, fine[0]])
+        trees, stats = stall_rt.rollouts.rollout([hangs, fine[0]])
         assert time.monotonic() - t0 < 120
         lost, kept = trees
         assert [str(n.end_reason) for n in lost.leaves()] == ["env_error"]
@@ -474,9 +473,9 @@ def test_hung_worker_is_bounded_by_the_timeout(cluster):
         assert all(n.end_reason != EndReason.ENV_ERROR for n in kept.leaves())
         assert stats.env_errors == 1 and stats.extra["distributed/worker_restarts"] == 1
         deadline = time.monotonic() + 120
-        while len(stall_rt.cluster._idle) < 2 and time.monotonic() < deadline:
+        while len(stall_rt.rollouts._idle) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)  # Ray restarts the killed worker; then it takes work again
-        trees, stats = stall_rt.rollout(fine[1:3])
+        trees, stats = stall_rt.rollouts.rollout(fine[1:3])
         assert stats.env_errors == 0
         assert {t.meta["distributed"]["worker"] for t in trees} == {0, 1}
     finally:
@@ -498,29 +497,29 @@ def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake)
     frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
     try:
         tasks = frt.load_tasks(8)
-        _trees, stats = frt.rollout(tasks[:4])
+        _trees, stats = frt.rollouts.rollout(tasks[:4])
         assert stats.extra["distributed/engine_failovers"] == 0
-        pid = ray.get(frt.cluster.replicas[0].info.remote())["pid"]
+        pid = ray.get(frt.rollouts.replicas[0].info.remote())["pid"]
         os.kill(pid, signal.SIGKILL)
-        trees, stats = frt.rollout(tasks[4:])
+        trees, stats = frt.rollouts.rollout(tasks[4:])
         assert stats.env_errors == 0 and stats.extra["distributed/worker_restarts"] == 0
         assert stats.extra["distributed/engine_failovers"] >= 1
         assert all(n.end_reason != EndReason.ENV_ERROR for t in trees for n in t.leaves())
-        frt.sync_weights(frt.model)  # reaches the restarted replica once it is back
+        frt.rollouts.sync_weights(frt.model)  # reaches the restarted replica once it is back
         deadline = time.monotonic() + 120
         info: dict = {}
         while time.monotonic() < deadline:
             try:
-                info = ray.get(frt.cluster.replicas[0].info.remote())
+                info = ray.get(frt.rollouts.replicas[0].info.remote())
             except ray.exceptions.ActorUnavailableError:
                 info = {}
-            if info.get("version") == frt.cluster.weight_version:
+            if info.get("version") == frt.rollouts.weight_version:
                 break
             time.sleep(1.0)
-        assert info["pid"] != pid and info["version"] == frt.cluster.weight_version
+        assert info["pid"] != pid and info["version"] == frt.rollouts.weight_version
         want = sum(float(v.double().sum()) for v in frt.model.state_dict().values())
-        assert ray.get(frt.cluster.replicas[0].checksum.remote()) == pytest.approx(want)
-        _trees, stats = frt.rollout(tasks[:4])
+        assert ray.get(frt.rollouts.replicas[0].checksum.remote()) == pytest.approx(want)
+        _trees, stats = frt.rollouts.rollout(tasks[:4])
         assert stats.env_errors == 0 and stats.extra["distributed/engine_failovers"] == 0
     finally:
         frt.close()
@@ -570,11 +569,11 @@ def test_async_training_on_ray_is_one_step_stale(rt, tmp_path):
     assert rows[-1]["distributed/workers"] == 2
     # the replica holds the trainer's final weights (synced through the object store)
     want = sum(float(v.double().sum()) for v in tr.model.state_dict().values())
-    assert ray.get(rt.cluster.replicas[0].checksum.remote()) == pytest.approx(want, rel=1e-9)
+    assert ray.get(rt.rollouts.replicas[0].checksum.remote()) == pytest.approx(want, rel=1e-9)
 
 
 def test_async_training_in_process_overlaps_on_a_snapshot_engine(tmp_path, tiny_frozenlake):
-    from agentree.distributed.local import ThreadRollout
+    from agentree.rollouts import ThreadRollout
     from agentree.trainer import Trainer
 
     cfg = load_config("frozenlake_patr", overrides=[*SMALL, "train.async_steps=1"])
@@ -588,7 +587,7 @@ def test_async_training_in_process_overlaps_on_a_snapshot_engine(tmp_path, tiny_
                 assert isinstance(tr._pending[0], ThreadRollout)  # step 1 rolls out meanwhile
             tr.step += 1
         assert [r["train/staleness"] for r in rows] == [0.0, 1.0, 1.0]
-        snap = tr.rt.snapshot_engine().model
+        snap = tr.rt.rollouts.snapshot_engine().model
         assert snap is not tr.model  # the rollout thread never sees weights change mid-tree
         for k, v in tr.model.state_dict().items():  # synced after the last update
             assert torch.equal(snap.state_dict()[k], v)

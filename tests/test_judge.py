@@ -401,7 +401,7 @@ def patr_frozenlake(scorer: str, *overrides: str) -> tuple[list[Tree], Any]:
     )
     rt = Runtime(cfg, log=lambda m: None)
     try:
-        trees, stats = rt.rollout(rt.load_tasks(2))
+        trees, stats = rt.rollouts.rollout(rt.load_tasks(2))
     finally:
         rt.close()
     return trees, stats

@@ -66,7 +66,7 @@ def rollout(request, tmp_path_factory):
     name, select, overrides = CASES[request.param]
     cfg = load_config(name, select=select, overrides=overrides)
     rt = Runtime(cfg, log=lambda m: None)
-    trees, _ = rt.rollout(rt.load_tasks(2, split="train"))
+    trees, _ = rt.rollouts.rollout(rt.load_tasks(2, split="train"))
     groups = [rt.controller.group(t) for t in trees]
     compute_advantages("grpo", trees, groups)
     g = torch.Generator().manual_seed(0)
@@ -266,7 +266,9 @@ def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
     cfg = load_config(name, select=select, overrides=[*overrides, "train.micro_batch_size=2"])
     rt = Runtime(cfg, log=lambda m: None)
     # Goal next to the start: groups mix wins and losses, so advantages are not all zero.
-    trees, _ = rt.rollout([Task(f"easy{i}", None, {"desc": ["SGF", "FFF", "FFF"]}) for i in (0, 1)])
+    trees, _ = rt.rollouts.rollout(
+        [Task(f"easy{i}", None, {"desc": ["SGF", "FFF", "FFF"]}) for i in (0, 1)]
+    )
     groups = [rt.controller.group(t) for t in trees]
     assert len({t.reward for g in groups for t in g}) > 1
     ref = perturbed(rt.model, 0.02, 3)

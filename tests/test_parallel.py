@@ -1,8 +1,10 @@
 """Sharded training: 2 gloo ranks under FSDP2 compute the single-process update, with and
-without gradient accumulation and with LoRA; distributed checkpoints resume onto another world
-size; LoRA trains only adapters and exports a merged model; bf16 and checkpointing run; ranks
-> 0 load nothing but their shards, and the sharded model they end up with equals the
-checkpoint exactly. Launching ranks as Ray actors and under torchrun: tests/test_rank_launch.py.
+without gradient accumulation and with LoRA; the asynchronous loop (`train.async_steps=1`) on 2
+sharded ranks equals it in one process; checkpoints resume onto another learner and world size
+(2 ranks -> 1, 1 process -> 2 ranks); LoRA trains only adapters and exports a merged model;
+bf16 and checkpointing run; ranks > 0 load nothing but their shards, and the sharded model they
+end up with equals the checkpoint exactly. Launching ranks as Ray actors and under torchrun:
+tests/test_rank_launch.py.
 
 Tolerance of the FSDP-vs-one-process comparisons (fp32): rtol 1e-5, atol 1e-6 on every
 parameter after an AdamW step at lr 1e-3, where the step itself moves weights by ~1e-3.
@@ -80,10 +82,7 @@ def fixed_batch(tmp_path_factory, tiny_frozenlake) -> Path:
     """One rollout batch (trees, groups) from the tiny policy, on maps it sometimes solves."""
     out = tmp_path_factory.mktemp("batch")
     tr = Trainer(cfg_for(out), out, log=quiet)
-    tr.train_tasks = [
-        t.__class__(t.id, None, {"desc": ["SGF", "FFF", "FFF"]}) for t in tr.train_tasks[:4]
-    ]
-    tr._order, tr._cursor = [], 0
+    easy_maps(tr)
     trees, trajs, _, _, _ = tr._collect()
     tr.close()
     usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
@@ -93,11 +92,32 @@ def fixed_batch(tmp_path_factory, tiny_frozenlake) -> Path:
     return path
 
 
+ASYNC = ["train.async_steps=1", "train.micro_batch_size=2"]
+"""Two steps of the loop: step 1 trains on trees sampled during step 0's update (staleness 1)."""
+
+
+def easy_maps(tr: Trainer) -> None:
+    """Train on 3x3 maps the tiny policy sometimes solves (informative groups)."""
+    tr.train_tasks = [
+        t.__class__(t.id, None, {"desc": ["SGF", "FFF", "FFF"]}) for t in tr.train_tasks[:4]
+    ]
+    tr._order, tr._cursor = [], 0
+
+
+def async_loop(tr: Trainer) -> list[dict[str, float]]:
+    """`Trainer.fit`'s steps without its evaluations."""
+    if tr.rt is not None:
+        easy_maps(tr)
+    out = []
+    while tr.step < tr.cfg.train.steps:
+        out.append(tr.train_step())
+        tr.step += 1
+    return out
+
+
 def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> list[dict]:
     """The reference: the update on one process (the ordinary trainer, or LoRA without FSDP)."""
-    from agentree.parallel import make_trainer
-
-    tr = make_trainer(cfg_for(out, *extra), out, log=quiet)
+    tr = Trainer(cfg_for(out, *extra), out, log=quiet)
     trees, groups = torch.load(batch, weights_only=False)
     states = [full_state(tr.model)]
     for step in range(updates):
@@ -109,22 +129,37 @@ def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> li
 
 
 def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
+    from agentree.launch import rank_env
+
+    os.environ.update(rank_env(rank, world, "127.0.0.1", port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from agentree.parallel import ParallelTrainer
+    sharded = ["train.fsdp=true", f"train.world_size={world}"]
+    # the asynchronous loop: rank 0 rolls out on a thread while every rank updates
+    tr = Trainer(cfg_for(out / "async", *ASYNC, *sharded), out / "async", log=quiet)
+    async_loop(tr)
+    state = full_state(tr.model)
+    if rank == 0:
+        torch.save(state, out / "async" / "params.pt")
+    tr.close()
+    # a checkpoint written by one process, resumed by the ranks
+    run = out / "from_one"
+    tr = Trainer(cfg_for(run, *VARIANTS["whole"], *sharded), run, log=quiet)
+    assert tr.resume() and tr.step == 1
+    tr.update(*torch.load(batch, weights_only=False))
+    state = full_state(tr.model)
+    if rank == 0:
+        torch.save(state, run / "params.pt")
+    tr.close()
 
     trees, groups = torch.load(batch, weights_only=False)
     for name, extra in VARIANTS.items():
         run = out / name
-        cfg = cfg_for(run, *extra, "train.fsdp=true", f"train.world_size={world}")
-        tr = ParallelTrainer(cfg, run, log=quiet)
+        cfg = cfg_for(run, *extra, *sharded)
+        tr = Trainer(cfg, run, log=quiet)
         loaded = full_state(tr.model)  # rank 1 built it on the meta device, rank 0 sent shards
         tr.update(trees, groups)
         tr.step = 1
-        tr.sync_engine()
+        tr.publish()
         state = full_state(tr.model)
         tr.save()
         if rank == 0:
@@ -138,10 +173,18 @@ def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None
 
 @pytest.fixture(scope="module")
 def two_ranks(fixed_batch, tmp_path_factory) -> Path:
-    """Every variant trained one step by 2 gloo ranks (one spawn for all: start-up dominates)."""
-    from agentree.parallel import free_port
+    """Every variant trained one step by 2 gloo ranks (one spawn for all: start-up dominates);
+    the asynchronous loop; a one-process checkpoint resumed and updated by the ranks."""
+    from agentree.launch import free_port
 
     out = tmp_path_factory.mktemp("ranks")
+    one = out / "from_one"  # one update in one process, checkpointed at step 1
+    tr = Trainer(cfg_for(one, *VARIANTS["whole"]), one, log=quiet)
+    tr.update(*torch.load(fixed_batch, weights_only=False))
+    tr.step = 1
+    tr.save()
+    tr.close()
+    (out / "async").mkdir()
     mp.spawn(_rank_main, args=(2, free_port(), fixed_batch, out), nprocs=2)
     return out
 
@@ -186,16 +229,38 @@ def test_two_fsdp_ranks_match_one_process_with_lora(two_ranks, fixed_batch, tmp_
             assert torch.equal(engine[k.removeprefix("base_model.model.")], v)
 
 
-@pytest.mark.parametrize("variant", ["whole", "lora"])
-def test_distributed_checkpoint_resumes_on_one_rank(variant, two_ranks, fixed_batch, tmp_path):
-    """Saved by 2 ranks, resumed by 1 FSDP rank: weights and AdamW moments carry over, so the
-    next update equals two updates in one process."""
-    from agentree.parallel import ParallelTrainer
+def test_async_loop_on_two_sharded_ranks_matches_one_process(two_ranks, tmp_path):
+    """train.async_steps=1 through the one loop: 2 FSDP ranks (rank 0 rolling out on a thread
+    during the update) end where one process ends, after a fresh and a one-step-stale update."""
+    tr = Trainer(cfg_for(tmp_path, *ASYNC), tmp_path, log=quiet)
+    init = full_state(tr.model)
+    metrics = async_loop(tr)
+    want = full_state(tr.model)
+    tr.close()
+    assert [m["train/staleness"] for m in metrics] == [0.0, 1.0]
+    assert all(m["train/policy_tokens"] > 0 for m in metrics)
+    assert_same(torch.load(two_ranks / "async" / "params.pt"), want, moved_from=init)
 
+
+def test_one_process_checkpoint_resumes_on_two_ranks(two_ranks, fixed_batch, tmp_path):
+    """Saved by the one-process learner, resumed by 2 FSDP ranks: their next update equals
+    two updates in one process."""
+    want = single_process(fixed_batch, tmp_path, VARIANTS["whole"], updates=2)
+    assert_same(torch.load(two_ranks / "from_one" / "params.pt"), want[2], moved_from=want[1])
+
+
+@pytest.mark.parametrize(
+    ("variant", "fsdp"), [("whole", "true"), ("whole", "false"), ("lora", "true")]
+)
+def test_distributed_checkpoint_resumes_on_one_rank(
+    variant, fsdp, two_ranks, fixed_batch, tmp_path
+):  # fmt: skip
+    """Saved by 2 ranks, resumed by 1 FSDP rank or by the one-process learner: weights and
+    AdamW moments carry over, so the next update equals two updates in one process."""
     want = single_process(fixed_batch, tmp_path / "ref", VARIANTS[variant], updates=2)
     run = two_ranks / variant
-    cfg = cfg_for(run, *VARIANTS[variant], "train.fsdp=true", "train.world_size=1")
-    tr = ParallelTrainer(cfg, run, log=quiet)
+    cfg = cfg_for(run, *VARIANTS[variant], f"train.fsdp={fsdp}", "train.world_size=1")
+    tr = Trainer(cfg, run, log=quiet)
     try:
         assert tr.resume() and tr.step == 1
         assert_same(full_state(tr.model), torch.load(run / "params.pt"))
@@ -229,13 +294,13 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from agentree.cli import main
+    from agentree.learner import ShardedLearner
     from agentree.lora import is_adapter_key
     from agentree.packing import batch_logprobs
-    from agentree.parallel import ParallelTrainer, make_trainer
 
     cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
-    tr = make_trainer(cfg, tmp_path / "run", log=quiet)
-    assert isinstance(tr, ParallelTrainer)
+    tr = Trainer(cfg, tmp_path / "run", log=quiet)
+    assert isinstance(tr.learner, ShardedLearner)
     trees, groups = torch.load(fixed_batch, weights_only=False)
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     micro = tr.updater.batches(trees, groups)
@@ -274,11 +339,10 @@ def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):
     adapters are fp32 and are the only weights that move; the objective improves."""
     from agentree.lora import is_adapter_key
     from agentree.packing import batch_logprobs
-    from agentree.parallel import make_trainer
 
     extra = ["train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2", "train.dtype=bf16"]
     for fsdp in ("false", "true"):
-        tr = make_trainer(cfg_for(tmp_path / fsdp, *extra, f"train.fsdp={fsdp}"), tmp_path / fsdp)
+        tr = Trainer(cfg_for(tmp_path / fsdp, *extra, f"train.fsdp={fsdp}"), tmp_path / fsdp)
         try:
             before = full_state(tr.model)
             dtypes = {is_adapter_key(k): {v.dtype} for k, v in before.items()}
@@ -299,15 +363,15 @@ def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):
 
 
 def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
-    from agentree.parallel import ParallelTrainer, make_trainer
+    from agentree.learner import ShardedLearner
 
     cfg = cfg_for(
         tmp_path, "train.fsdp=true", "train.dtype=bf16", "train.gradient_checkpointing=true",
         "train.micro_batch_size=2",
     )  # fmt: skip
-    tr = make_trainer(cfg, tmp_path, log=quiet)
+    tr = Trainer(cfg, tmp_path, log=quiet)
     try:
-        assert isinstance(tr, ParallelTrainer)
+        assert isinstance(tr.learner, ShardedLearner)
         before = full_state(tr.model)
         assert all(v.dtype == torch.float32 for v in before.values())  # fp32 master weights
         m = tr.train_step()
@@ -320,12 +384,11 @@ def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
 
 
 def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
-    from agentree.parallel import make_trainer
-
+    """Rejected with the config, before any model is built."""
     with pytest.raises(ValueError, match=r"train\.fsdp=true"):
-        make_trainer(cfg_for(tmp_path, "train.dtype=bf16"), tmp_path)
+        cfg_for(tmp_path, "train.dtype=bf16")
     with pytest.raises(ValueError, match=r"train\.fsdp=true"):
-        make_trainer(cfg_for(tmp_path, "train.world_size=2"), tmp_path)
+        cfg_for(tmp_path, "train.world_size=2")
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,12 @@ def _ray_rank(batch: Path, out: Path) -> dict[str, torch.Tensor] | None:
     """One rank, in a Ray actor: the `accumulate` variant's update; rank 0 returns the weights."""
     import torch.distributed as dist
 
-    from agentree.parallel import ParallelTrainer
+    from agentree.trainer import Trainer
 
     torch.set_num_threads(1)
     trees, groups = torch.load(batch, weights_only=False)
     cfg = cfg_for(out, *VARIANTS["accumulate"], "train.fsdp=true", "train.world_size=2")
-    tr = ParallelTrainer(cfg, out, log=quiet)
+    tr = Trainer(cfg, out, log=quiet)
     try:
         tr.update(trees, groups)
         state = full_state(tr.model)
@@ -68,7 +68,7 @@ def test_ray_launched_ranks_match_one_process(fixed_batch, tmp_path):  # noqa: F
 def test_torchrun_launches_the_ranks(tmp_path, tiny_frozenlake):
     """Under torchrun, `agentree train` joins the process group torchrun set up instead of
     spawning ranks itself: 2 ranks train a step and write one sharded checkpoint."""
-    from agentree.parallel import free_port
+    from agentree.launch import free_port
 
     out = tmp_path / "run"
     sets = [a for o in [*SMALL, "train.world_size=2", "train.fsdp=true"] for a in ("--set", o)]

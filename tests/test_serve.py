@@ -263,7 +263,8 @@ def test_serve_cli_process() -> None:
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path, capsys) -> None:
-    from agentree.serve import build_serving_engine, main
+    from agentree.policy import build_serving_engine
+    from agentree.serve import main
 
     with pytest.raises(ValueError, match="does not exist"):
         build_serving_engine(str(tmp_path / "nope"))

@@ -40,7 +40,7 @@ def easy_tasks(tr, desc=("SGF", "FFF", "FFF")):
 def test_trainer_sees_exactly_the_sampled_ids(tmp_path, tiny_frozenlake):
     cfg = small_config(tmp_path)
     tr = Trainer(cfg, tmp_path, log=lambda s: None)
-    trees, _stats = tr.rt.rollout(tr.next_tasks(2))
+    trees, _stats = tr.rt.rollouts.rollout(tr.next_tasks(2))
     for tree in trees:
         trajs = tr.rt.controller.group(tree)
         batch = make_batch(trajs, [[1.0] * len(t.token_ids) for t in trajs], pad=0)
@@ -91,7 +91,7 @@ def test_update_moves_logprobs_along_the_advantages(tmp_path, tiny_frozenlake):
 
     cfg = small_config(tmp_path, "train.lr=0.003", "train.kl_coef=0.0")
     tr = Trainer(cfg, tmp_path, log=lambda s: None)
-    trees, _ = tr.rt.rollout(tr.next_tasks(2))
+    trees, _ = tr.rt.rollouts.rollout(tr.next_tasks(2))
     groups = [tr.rt.controller.group(t) for t in trees]
     for g in groups:  # make the groups informative: the first trajectory of each tree wins
         g[0].reward = 1.0

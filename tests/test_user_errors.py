@@ -37,6 +37,25 @@ def test_task_seed_that_is_not_an_integer(tmp_path, capsys, tiny_frozenlake):
     )
 
 
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_bad_task_file_is_reported_before_any_model_is_built(tmp_path, capsys, command):
+    """The task source is read before the policy: a policy that does not exist is never
+    reached, so the task file's error is the one reported (and no model load is paid)."""
+    path = _tasks(tmp_path, {"id": "a", "seed": "x"})
+    missing = tmp_path / "no-such-policy"
+    argv = [
+        command,
+        "--tasks",
+        str(path),
+        "--policy",
+        str(missing),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    assert main([*argv, *FAST]) == 2
+    assert _one_line_error(capsys).startswith(f"{path}: record 1")
+
+
 def test_task_options_that_are_not_a_mapping(tmp_path, capsys, tiny_frozenlake):
     path = _tasks(tmp_path, {"id": "a", "seed": 1, "options": [4]})
     assert main(["rollout", "--tasks", str(path), "--output", str(tmp_path / "o"), *FAST]) == 2

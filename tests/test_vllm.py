@@ -86,7 +86,7 @@ def sampled_drift(trainer, trees, controller=None) -> float:
 
 
 def test_patr_rollout_through_the_runtime(trainer, engine) -> None:
-    trees, stats = trainer.rt.rollout(trainer.next_tasks(2))
+    trees, stats = trainer.rt.rollouts.rollout(trainer.next_tasks(2))
     trajs = [t for tree in trees for t in trainer.rt.controller.group(tree)]
     assert len(trees) == 2 and len(trajs) >= 2 * trainer.cfg.rollout["B0"]
     assert stats.forks > 0 and stats.policy_tokens_generated > 0
@@ -183,7 +183,7 @@ def test_latr_token_tree_through_the_emulated_session(trainer, engine) -> None:
 
     latr = make_controller("latr", k=4, tau_abs=0.01, tau_rel=0.03)
     calls = engine.stats.extra["requests"]
-    trees, stats = latr.rollout(trainer.next_tasks(2), trainer.rt.context())
+    trees, stats = latr.rollout(trainer.next_tasks(2), trainer.rt.rollouts.context())
     assert engine.stats.extra["requests"] > calls
     assert all(len(latr.group(t)) >= 2 for t in trees)
     assert stats.policy_tokens_generated > 0
@@ -217,14 +217,14 @@ def test_trainer_updates_reach_the_engine(trainer, engine) -> None:
     assert engine.stats.extra["weight_syncs"] == syncs + 1
     assert metrics["rollout/trajectories"] > 0
     # an update that surely moves the weights: the first trajectory of each group wins
-    trees, _ = trainer.rt.rollout(trainer.next_tasks(2))
+    trees, _ = trainer.rt.rollouts.rollout(trainer.next_tasks(2))
     groups = [trainer.rt.controller.group(t) for t in trees]
     for g in groups:
         g[0].reward = 1.0
     old = copy.deepcopy(trainer.model)
     trainer.update(trees, groups)
     trainer.rt.engine.sync_weights(trainer.model)  # what train_step does after its update
-    trees, _ = trainer.rt.rollout(trainer.next_tasks(2))
+    trees, _ = trainer.rt.rollouts.rollout(trainer.next_tasks(2))
     assert sampled_drift(trainer, trees) < TOL  # sampled by the updated weights
     trainer.model, old = old, trainer.model
     try:
@@ -236,7 +236,8 @@ def test_trainer_updates_reach_the_engine(trainer, engine) -> None:
 def test_served_endpoint_answers_the_judge(trainer, engine) -> None:
     from test_judge import GREP, branch, heuristic_of, judge
 
-    from agentree.serve import OpenAIServer, ServerHandle, resolve_backend
+    from agentree.policy import resolve_backend
+    from agentree.serve import OpenAIServer, ServerHandle
 
     assert resolve_backend("auto") == "vllm"  # `agentree serve` picks vLLM when installed
     api = OpenAIServer(engine, engine.tokenizer, "tiny-judge")

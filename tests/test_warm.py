@@ -9,10 +9,9 @@ import pytest
 
 from agentree.config import load_config
 from agentree.envs.countdown import CountdownEnv
-from agentree.envs.frozenlake import FrozenLakeEnv, shortest_path
+from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal, shortest_path
 from agentree.models.warm import (
     countdown_response,
-    distances_to_goal,
     scripted_move,
     valid_moves,
     walker_success,
@@ -113,7 +112,7 @@ def warm_runtime():
 
 
 def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
-    from agentree.runtime import evaluate
+    from agentree.evaluation import evaluate
 
     cfg, rt = warm_runtime
     result = evaluate(rt, cfg, seed=0)
@@ -136,7 +135,9 @@ def test_warm_policy_knows_more_than_it_samples(warm_runtime) -> None:
     cfg, rt = warm_runtime
     assert cfg.policy.warm.pretrain_episodes > 0
     env = FrozenLakeEnv(**rt.env_kwargs)
-    skill = first_move_skill(rt.model, rt.chat, env, FrozenLakeEnv.load_tasks(100, split="eval"))
+    skill = first_move_skill(
+        rt.model, rt.rollouts.chat, env, FrozenLakeEnv.load_tasks(100, split="eval")
+    )
     assert skill["maps"] >= 90
     assert skill["top1"] >= 0.5, skill
     assert skill["p_best"] <= skill["top1"] - 0.1, skill

@@ -7,11 +7,11 @@ Nothing here is imported by `import agentree`; `distributed.backend=ray` loads i
   implements the `agentree.engines.base.Engine` protocol with prefix-affinity routing.
 - `scorer`: `ScorerActor`, one shared actor for a scorer that holds a model (PRM), and
   `RemoteScorer`, the client the workers' controllers call.
-- `worker`: `RolloutWorker` actor; it builds an ordinary local `Runtime` and runs the same
-  controller code (`agentree.rollout.*`) that runs in-process, one chunk of trees per call.
-- `scheduler`: `RayRollouts`, which owns the actors, balances trees across workers, turns dead
-  or hung workers into `env_error` trees, syncs weights through the object store and reports
-  `distributed/*` metrics.
-- `local`: the in-process counterpart of an asynchronous rollout (a thread and a weight
-  snapshot), used by `train.async_steps=1` without Ray.
+- `worker`: `RolloutWorker` actor; it builds an ordinary `agentree.rollouts.LocalRollouts` and
+  runs the same controller code (`agentree.rollout.*`) that runs in-process, one chunk of trees
+  per call.
+- `scheduler`: `RayRollouts` (the Ray side of the `agentree.rollouts.Rollouts` seam), which
+  owns the actors, balances trees across workers, turns dead or hung workers into `env_error`
+  trees, syncs weights through the object store and reports `distributed/*` metrics.
+- `ranks`: training ranks as Ray actors, each running the entry-point function it is given.
 """

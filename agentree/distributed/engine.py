@@ -1,8 +1,9 @@
 """Engine replicas as Ray actors, and the client that routes requests to them.
 
-`EngineReplica` wraps the same engine `agentree train` builds in-process (`build_engine`:
-transformers or vLLM). `RemoteEngine` implements the `Engine` protocol over a list of replica
-handles, so a rollout worker's controller cannot tell it from a local engine.
+`EngineReplica` wraps the same engine `agentree train` builds in-process
+(`agentree.policy.build_engine`: transformers or vLLM). `RemoteEngine` implements the `Engine`
+protocol over a list of replica handles, so a rollout worker's controller cannot tell it from a
+local engine.
 
 Routing is by prefix affinity: the branches of one tree extend the same prompt, so a request
 goes to the replica that already served the longest earlier prompt that is a prefix of it
@@ -20,7 +21,9 @@ from typing import Any
 
 import ray
 
+from agentree.config import validate_config
 from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.policy import build_engine, resolve_policy
 
 BLOCK = 16
 """Tokens per routing block (matches the transformers engine's prefix-cache block)."""
@@ -34,9 +37,6 @@ class EngineReplica:
     """One policy engine in its own process; weights arrive through the object store."""
 
     def __init__(self, cfg_data: dict[str, Any], weights: dict[str, Any] | None) -> None:
-        from agentree.config import validate_config
-        from agentree.runtime import build_engine, resolve_policy
-
         cfg = validate_config(cfg_data)
         path = resolve_policy(cfg, lambda _msg: None)
         self.engine, self.model, self.tokenizer = build_engine(cfg, path)

@@ -2,10 +2,11 @@
 
 One actor per rank, each holding a GPU when the cluster has them. The rank-0 actor reports its
 node's address and a free port there; every actor then sets the variables torchrun would set
-(`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `LOCAL_RANK`) and runs the same code the
-local launcher runs in a process, so `init_distributed` joins the group as under torchrun
-(NCCL on GPUs, gloo on CPU). Rank 0's trainer then starts its rollout workers and engine
-replicas in the same Ray cluster (an actor is already connected to it).
+(`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `LOCAL_RANK`) and calls the entry-point
+function it was given, as the local launcher (`agentree.launch.spawn_ranks`) does in a process,
+so `init_distributed` joins the group as under torchrun (NCCL on GPUs, gloo on CPU).
+Rank 0's trainer then starts its rollout workers and engine replicas in the same Ray cluster
+(an actor is already connected to it).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from agentree.distributed.cluster import (
     connect,
     disconnect,
     engine_replicas,
-    free_port,
     import_ray,
     rank_gpus,
     run_needs,
     scorer_actor_needed,
     total,
 )
+from agentree.launch import free_port
 
 
 class RankActor:
@@ -75,17 +76,3 @@ def launch_on_ray(
     finally:
         if started:
             disconnect(started)
-
-
-def train_on_ray(cfg: ExperimentConfig, argv: Sequence[str]) -> int:
-    """`agentree <argv>` on every rank actor, in this directory (relative paths resolve the
-    same); 0 if every rank succeeded."""
-    codes = launch_on_ray(cfg, _cli, (list(argv), os.getcwd()))
-    return next((int(c) for c in codes if c), 0)
-
-
-def _cli(argv: list[str], cwd: str) -> int:
-    from agentree.cli import main
-
-    os.chdir(cwd)
-    return int(main(argv) or 0)

@@ -1,4 +1,5 @@
-"""`RayRollouts`: the driver side of the Ray runtime.
+"""`RayRollouts`: the driver side of the Ray runtime, one implementation of the rollout seam
+(`agentree.rollouts.Rollouts`; the other runs in this process).
 
 Owns the engine replicas and rollout workers, splits a batch of tasks into chunks of trees,
 hands each chunk to the next idle worker (a worker runs one chunk at a time, so a slow worker
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -35,14 +37,29 @@ from agentree.distributed.cluster import (
 )
 from agentree.envs.base import Task
 from agentree.rollout.base import Controller, RolloutStats
+from agentree.rollouts import RolloutParts, check_not_empty
 from agentree.tree import EndReason, Tree
 
 
 class RayRollouts:
-    def __init__(self, cfg: ExperimentConfig, model: Any, log: Callable[[str], None] = print):
+    """The controller on Ray rollout workers; `engine` is the driver's own (it holds the
+    weights the replicas start from and gets every sync, as in-process)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        parts: RolloutParts,
+        engine: Any,
+        model: Any,
+        log: Callable[[str], None] = print,
+    ) -> None:
         ray = import_ray()
         self.ray = ray
         self.cfg = cfg
+        self.parts = parts
+        self.controller = parts.controller
+        self.engine = engine
+        self.rng = random.Random(cfg.seed)
         dc = cfg.distributed
         scorer = scorer_actor_needed(cfg)
         # a private instance gets room for every actor (its GPUs are known once it runs)
@@ -52,7 +69,6 @@ class RayRollouts:
         self.workers: list[Any] = []
         self.replicas: list[Any] = []
         self.scorer_actor: Any = None
-        self.scorer_client: Any = None
         self.metrics: dict[str, float] = {}
         self.restarts = 0
         self.weight_version = 0
@@ -108,7 +124,7 @@ class RayRollouts:
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(actor_failure(e)) from None
         if model is not None:
-            self.sync_weights(model)
+            self.push_weights(model)
         self.nodes = sorted({i["node_id"] for i in infos})
         self._idle = list(range(len(self.workers)))
         self._envs_per_tree = float(_nominal_width(cfg))
@@ -122,7 +138,7 @@ class RayRollouts:
         if not scorer_actor_needed(cfg):
             return
         name, settings = cfg.component("scorer")
-        from agentree.distributed.scorer import RemoteScorer, ScorerActor
+        from agentree.distributed.scorer import ScorerActor
 
         dc = cfg.distributed
         self.scorer_actor = (
@@ -134,7 +150,6 @@ class RayRollouts:
             )
             .remote(name, settings)
         )
-        self.scorer_client = RemoteScorer(self.scorer_actor)
 
     # -- rollouts -----------------------------------------------------------------------------
     def chunk_size(self, n: int) -> int:
@@ -142,7 +157,26 @@ class RayRollouts:
         by_sandboxes = int(self.cfg.distributed.max_sandboxes_per_worker // self._envs_per_tree)
         return max(1, min(by_load, by_sandboxes))
 
-    def submit(
+    def rollout(
+        self,
+        tasks: Sequence[Task],
+        *,
+        step: int = 0,
+        progress: Any = None,
+        controller: Controller | None = None,
+        temperature: float | None = None,
+        rng: random.Random | None = None,
+    ) -> tuple[list[Tree], RolloutStats]:
+        controller = controller or self.controller
+        seed = (rng or self.rng).getrandbits(63)
+        trees, stats = self.start(tasks, controller, step, temperature, seed).result(progress)
+        check_not_empty(self.cfg, self.engine.max_model_len, controller, trees)
+        return trees, stats
+
+    def submit(self, tasks: Sequence[Task], *, step: int = 0) -> Pending:
+        return self.start(tasks, self.controller, step, None, self.rng.getrandbits(63))
+
+    def start(
         self,
         tasks: Sequence[Task],
         controller: Controller,
@@ -175,8 +209,14 @@ class RayRollouts:
 
         threading.Thread(target=wait, daemon=True).start()
 
-    def sync_weights(self, model: Any) -> None:
-        """Trainer -> every replica (or worker-local engine) through the object store."""
+    def sync_weights(self, model: Any, *, busy: bool = False) -> None:
+        """Trainer -> the driver's engine, and every replica (or worker-local engine) through
+        the object store unless a submitted rollout is still sampling from them (`busy`)."""
+        self.engine.sync_weights(model)
+        if not busy:
+            self.push_weights(model)
+
+    def push_weights(self, model: Any) -> None:
         t0 = time.perf_counter()
         self.weight_version += 1
         self._weights = self.ray.put(state_dict(model))
@@ -251,6 +291,10 @@ class RayRollouts:
             self.workers, self.replicas, self.scorer_actor = [], [], None
             if self.started:
                 disconnect(True)
+            try:
+                self.parts.scorer.close()
+            finally:
+                self.engine.close()
 
 
 class Pending:

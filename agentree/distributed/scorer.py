@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from agentree.envs.base import Task
-from agentree.scorers.base import Branch, Score, Scorer
+from agentree.scorers.base import NodePath, Score, Scorer
 
 
 class ScorerActor:
@@ -37,7 +37,7 @@ class ScorerActor:
             "calls": self.calls,
         }
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         self.calls += 1
         return self.scorer.score(task, branches)
 
@@ -54,7 +54,7 @@ class RemoteScorer(Scorer):
         super().__init__()
         self.actor = actor
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         if not branches:
             return []
         return ray.get(self.actor.score.remote(task, list(branches)))

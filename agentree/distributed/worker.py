@@ -20,8 +20,13 @@ from typing import Any
 
 import ray
 
+from agentree.config import validate_config
+from agentree.distributed.engine import RemoteEngine
+from agentree.distributed.scorer import RemoteScorer
 from agentree.envs.base import Env, Task
+from agentree.policy import build_engine, resolve_policy
 from agentree.rollout.base import Controller, RolloutStats
+from agentree.rollouts import LocalRollouts, rollout_parts
 from agentree.tree import Tree
 
 
@@ -34,8 +39,6 @@ class RolloutWorker:
         weights: dict[str, Any] | None,
         scorer: Any = None,
     ) -> None:
-        from agentree.config import validate_config
-
         self.index = index
         self.node_id = ray.get_runtime_context().get_node_id()
         data = {**cfg_data, "distributed": {**cfg_data["distributed"], "backend": "local"}}
@@ -58,34 +61,32 @@ class RolloutWorker:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # the previous incarnation was killed: its sandboxes and snapshots are orphans now
             sweep_docker(stale=True, force=True)
-        self.rt = self._runtime(cfg, replicas, weights, scorer)
-        env_factory = self.rt.make_env
-        self.rt.make_env = lambda: self._track(env_factory())  # type: ignore[method-assign]
+        self.rollouts = self._rollouts(cfg, replicas, weights, scorer)
+        make_env = self.rollouts.make_env
+        self.rollouts.make_env = lambda: self._track(make_env())  # type: ignore[method-assign]
         self.status_line = "idle"
 
     @staticmethod
-    def _runtime(
+    def _rollouts(
         cfg: Any, replicas: Sequence[Any], weights: dict[str, Any] | None, scorer_actor: Any
-    ) -> Any:
-        from agentree.distributed.scorer import RemoteScorer
-        from agentree.runtime import Runtime, resolve_policy
-
+    ) -> LocalRollouts:
+        """The in-process rollouts of `cfg`, sampling from the shared engine replicas (or a
+        private engine when there are none), scoring with the shared scorer actor if any."""
         scorer = RemoteScorer(scorer_actor) if scorer_actor is not None else None
+        parts = rollout_parts(cfg, scorer=scorer)
+        path = resolve_policy(cfg, lambda _m: None)
         if not replicas:  # a private engine in this process
-            rt = Runtime(cfg, log=lambda _m: None, scorer=scorer)
+            engine, model, tokenizer = build_engine(cfg, path)
             if weights is not None:
-                rt.model.load_state_dict(weights)
-                rt.engine.sync_weights(rt.model)
-            return rt
+                model.load_state_dict(weights)
+                engine.sync_weights(model)
+            return LocalRollouts(cfg, parts, engine, tokenizer)
+        # deferred: transformers is heavy (the module itself is imported only under Ray)
         from transformers import AutoTokenizer
 
-        from agentree.distributed.engine import RemoteEngine
-
-        path = resolve_policy(cfg, lambda _m: None)
         tokenizer = AutoTokenizer.from_pretrained(path)
         info = ray.get(replicas[0].info.remote())
-        engine = RemoteEngine(replicas, tokenizer, info)
-        return Runtime(cfg, log=lambda _m: None, engine=engine, scorer=scorer)
+        return LocalRollouts(cfg, parts, RemoteEngine(replicas, tokenizer, info), tokenizer)
 
     def _track(self, env: Env) -> Env:
         close = env.close
@@ -121,10 +122,8 @@ class RolloutWorker:
     ) -> tuple[list[Tree], RolloutStats, dict[str, Any]]:
         """The same call `Runtime.rollout` makes in-process, on this worker's envs; `version`
         is the trainer's weight version (engine replicas behind it are not used)."""
-        from agentree.distributed.engine import RemoteEngine
-
         t0 = time.perf_counter()
-        engine = self.rt.engine
+        engine = self.rollouts.engine
         failovers = 0
         if isinstance(engine, RemoteEngine):
             engine.revive(version)
@@ -135,7 +134,7 @@ class RolloutWorker:
         def report(msg: str) -> None:
             self.status_line = f"{len(tasks)} trees: {msg}"
 
-        ctx = self.rt.context(step=step, temperature=temperature, progress=report)
+        ctx = self.rollouts.context(step=step, temperature=temperature, progress=report)
         ctx.rng = random.Random(seed)
         try:
             trees, stats = controller.rollout(tasks, ctx)
@@ -153,16 +152,17 @@ class RolloutWorker:
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Only for a worker with its own engine (`engine_replicas=0`)."""
-        if self.rt.model is not None:
-            self.rt.model.load_state_dict(weights)
-            self.rt.engine.sync_weights(self.rt.model)
+        engine = self.rollouts.engine
+        if not isinstance(engine, RemoteEngine):
+            engine.model.load_state_dict(weights)
+            engine.sync_weights(engine.model)
 
     # -- control (runs on its own thread, beside a running rollout) ----------------------------
     def status(self) -> dict[str, Any]:
         return {
             "index": self.index,
             "node_id": self.node_id,
-            "scorer": type(self.rt.scorer).__name__,
+            "scorer": type(self.rollouts.scorer).__name__,
             "status": self.status_line,
             "live_envs": len(self._live),
             "busy_s": self.busy_s,
@@ -175,7 +175,7 @@ class RolloutWorker:
         for env in live:
             with contextlib.suppress(Exception):  # keep closing the others
                 env.close()
-        self.rt.scorer.close()
+        self.rollouts.scorer.close()
         sweep_docker(stale=False)
         return len(live)
 

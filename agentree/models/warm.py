@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentree.envs.frozenlake import distances_to_goal
 from agentree.models.store import build_once, cache_root, content_key
 from agentree.models.tiny import TinyModelConfig
 
@@ -88,25 +89,6 @@ class WarmConfig(BaseModel):
 
 
 # -- FrozenLake ----------------------------------------------------------------------------------
-def distances_to_goal(desc: Sequence[str]) -> dict[tuple[int, int], int]:
-    """BFS distance from every cell that can reach G (holes blocked)."""
-    n, m = len(desc), len(desc[0])
-    goal = next((r, c) for r in range(n) for c in range(m) if desc[r][c] == "G")
-    dist = {goal: 0}
-    frontier = [goal]
-    while frontier:
-        nxt = []
-        for r, c in frontier:
-            for dr, dc in _DELTA.values():
-                cell = (r + dr, c + dc)
-                inside = 0 <= cell[0] < n and 0 <= cell[1] < m
-                if inside and cell not in dist and desc[cell[0]][cell[1]] != "H":
-                    dist[cell] = dist[(r, c)] + 1
-                    nxt.append(cell)
-        frontier = nxt
-    return dist
-
-
 def valid_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
     """Moves that stay on the map (a hole is a valid, if fatal, move)."""
     n, m = len(desc), len(desc[0])

@@ -90,11 +90,7 @@ class ARPO(Controller):
                 if not live:
                     live = self._top_up(runner, trees, tasks, count, h_init)
                 ctx.report(f"{self.name}: {len(live)} active branches")
-        for tree in trees:
-            tree.meta.update({"controller": self.name, "config": cfg.model_dump()})
-        stats.trajectories = sum(len(self.group(t)) for t in trees)
-        stats.wall_s = time.perf_counter() - t0
-        return trees, stats
+        return self.finish(trees, stats, t0)
 
     def _top_up(self, runner, trees, tasks, count, h_init) -> list[Branch]:
         """Fresh global samples for trees that ended below the budget."""

@@ -9,6 +9,7 @@ of every tree, so one engine call serves the whole batch.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -17,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.chat import ChatFormat
 from agentree.engines.base import Engine, SamplingParams
-from agentree.envs.base import Env, Task, format_validation_error, import_object
+from agentree.envs.base import Env, Task, format_validation_error
+from agentree.registry import Registry
 from agentree.scorers.base import NoScorer, Scorer
 from agentree.tree import Trajectory, Tree
 
@@ -117,34 +119,41 @@ class Controller:
         """The rollout group of a finished tree: by default every finished leaf."""
         return tree.trajectories()
 
+    def finish(
+        self, trees: list[Tree], stats: RolloutStats, t0: float
+    ) -> tuple[list[Tree], RolloutStats]:
+        """Every controller's closing lines: its name and config on each tree, the rollout
+        group counted, the wall time since `t0` (a `time.perf_counter()` reading)."""
+        for tree in trees:
+            tree.meta.update({"controller": self.name, "config": self.config.model_dump()})
+        stats.trajectories = sum(len(self.group(t)) for t in trees)
+        stats.wall_s = time.perf_counter() - t0
+        return trees, stats
 
-_BUILTIN: dict[str, str] = {
-    "patr": "agentree.rollout.patr:PATR",
-    "tree-random": "agentree.rollout.patr:TreeRandom",
-    "grpo": "agentree.rollout.flat:FlatGRPO",
-    "arpo": "agentree.rollout.arpo:ARPO",
-    "latr": "agentree.rollout.latr:LATR",
-    "treepo": "agentree.rollout.treepo:TreePO",
-    "eptree": "agentree.rollout.eptree:EPTree",
-    "tree-grpo": "agentree.rollout.treegrpo:TreeGRPO",
-    "tsr": "agentree.rollout.tsr:TSR",
-}
+
+CONTROLLERS: Registry[type[Controller]] = Registry(
+    "rollout",
+    Controller,
+    {
+        "patr": "agentree.rollout.patr:PATR",
+        "tree-random": "agentree.rollout.patr:TreeRandom",
+        "grpo": "agentree.rollout.flat:FlatGRPO",
+        "arpo": "agentree.rollout.arpo:ARPO",
+        "latr": "agentree.rollout.latr:LATR",
+        "treepo": "agentree.rollout.treepo:TreePO",
+        "eptree": "agentree.rollout.eptree:EPTree",
+        "tree-grpo": "agentree.rollout.treegrpo:TreeGRPO",
+        "tsr": "agentree.rollout.tsr:TSR",
+    },
+)
 
 
 def controller_names() -> list[str]:
-    return sorted(_BUILTIN)
+    return CONTROLLERS.names()
 
 
 def controller_class(name: str) -> type[Controller]:
-    if name in _BUILTIN:
-        cls = import_object(_BUILTIN[name])
-    elif ":" in name:
-        cls = import_object(name)
-    else:
-        raise ValueError(f"unknown rollout {name!r}; known: {', '.join(controller_names())}")
-    if not (isinstance(cls, type) and issubclass(cls, Controller)):
-        raise ValueError(f"{name!r} is not a subclass of agentree.rollout.base.Controller")
-    return cls
+    return CONTROLLERS.get(name)
 
 
 def make_controller(name: str, **kwargs: Any) -> Controller:

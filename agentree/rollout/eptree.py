@@ -107,12 +107,10 @@ class EPTree(Controller):
                 search.expand(it)
         for g, root in enumerate(roots):
             chains_to_tree(root.tree, search.chains[g], lambda ids: decode_segment(ctx, ids))
-            root.tree.meta.update({"controller": self.name, "config": c.model_dump()})
         step_leaves(roots, ctx, stats)
         for root in roots:
             finish_tree(stats, root.tree, self.group(root.tree))
-        stats.wall_s = time.perf_counter() - t0
-        return [r.tree for r in roots], stats
+        return self.finish([r.tree for r in roots], stats, t0)
 
 
 class _Forest:

@@ -42,8 +42,4 @@ class FlatGRPO(Controller):
                 live, _ = runner.advance(live)
                 ctx.report(f"{self.name}: {len(live)} active trajectories")
         trees = [g[0].tree for g in groups]
-        for tree in trees:
-            tree.meta.update({"controller": self.name, "config": self.config.model_dump()})
-        stats.trajectories = sum(len(self.group(t)) for t in trees)
-        stats.wall_s = time.perf_counter() - t0
-        return trees, stats
+        return self.finish(trees, stats, t0)

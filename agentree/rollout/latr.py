@@ -135,15 +135,12 @@ class LATR(Controller):
         for i, root in enumerate(roots):
             chains = search.chains(i)
             chains_to_tree(root.tree, chains, lambda ids: decode_segment(ctx, ids))
-            root.tree.meta.update(
-                {"controller": self.name, "config": self.config.model_dump(), **search.meta[i]}
-            )
+            root.tree.meta.update(search.meta[i])
         step_leaves(roots, ctx, stats)
         for root in roots:
             finish_tree(stats, root.tree, self.group(root.tree))
         stats.extra["padded"] = float(sum(m["padded"] for m in search.meta))
-        stats.wall_s = time.perf_counter() - t0
-        return [r.tree for r in roots], stats
+        return self.finish([r.tree for r in roots], stats, t0)
 
     def group(self, tree: Tree) -> list[Trajectory]:
         """Survivors, padding and the stochastic share; pruned branches are not rollouts."""

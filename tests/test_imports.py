@@ -1,0 +1,157 @@
+"""The module graph of `agentree` has no cycle and no import from a lower layer to a higher
+one (the layers of docs/architecture.md).
+
+Read with `ast` from the source files: module-level imports give the graph (a cycle means a
+missing seam); function-level imports of agentree modules count too, since a deferred import
+of the package itself hides an edge of that graph rather than a cost.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import agentree
+
+ROOT = Path(agentree.__file__).parent
+MAPPED = {"agentree.envs": ROOT.parent / "envs", "agentree.scorers": ROOT.parent / "scorers"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    roots = {"agentree": ROOT, **MAPPED}
+    for pkg, base in roots.items():
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if "local_suite" in name:  # SWE task repositories shipped as data
+                continue
+            out[name] = path
+    return out
+
+
+def imported(name: str, tree: ast.Module, known: set[str], in_functions: bool) -> set[str]:
+    """agentree modules `tree` imports (at module level, or inside functions)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not in_functions:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:
+                pkg = name.rsplit(".", node.level)[0]
+                base = f"{pkg}.{node.module}"
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def graph(in_functions: bool) -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    out = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        if not in_functions:
+            tree.body = [n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.ClassDef)]
+            tree.body += [
+                n
+                for c in ast.parse(path.read_text()).body
+                if isinstance(c, ast.ClassDef)
+                for n in c.body
+                if isinstance(n, ast.Import | ast.ImportFrom)
+            ]
+        out[name] = imported(name, tree, known, in_functions)
+    return out
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(g.get(n, ())):
+            if state.get(m) == 1:
+                return [*stack[stack.index(m) :], m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(g):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_module_level_imports_are_acyclic():
+    assert find_cycle(graph(in_functions=False)) is None
+
+
+def test_all_imports_of_agentree_modules_are_acyclic():
+    """Deferred imports of agentree's own modules included: no hidden circle either."""
+    assert find_cycle(graph(in_functions=True)) is None
+
+
+LAYERS = [
+    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat"]),
+    (
+        "parts",
+        [
+            "agentree.envs", "agentree.scorers", "agentree.engines", "agentree.models",
+            "agentree.rollout", "agentree.swe", "agentree.sft", "agentree.prompts",
+            "agentree.configs",
+        ],
+    ),
+    (
+        "algorithms",
+        [
+            "agentree.config", "agentree.update", "agentree.advantages", "agentree.loss",
+            "agentree.batching", "agentree.packing", "agentree.lora", "agentree.checkpoint",
+            "agentree.resume", "agentree.plan", "agentree.policy",
+        ],
+    ),
+    (
+        "seams",
+        [
+            "agentree.rollouts", "agentree.learner", "agentree.sharding", "agentree.distributed",
+            "agentree.launch",
+        ],
+    ),
+    ("assembly", ["agentree.runtime"]),
+    ("loop", ["agentree.trainer", "agentree.evaluation", "agentree.tracking", "agentree.view"]),
+    (
+        "commands",
+        [
+            "agentree.cli", "agentree.__main__", "agentree.serve", "agentree.plot",
+            "agentree.export", "agentree.viewer", "agentree.swe.cli",
+        ],
+    ),
+]  # fmt: skip
+"""Lowest first; a module belongs to the layer of its longest matching prefix."""
+
+
+def layer_of(module: str) -> int:
+    best = max(
+        ((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+         if module == p or module.startswith(p + ".")),
+        default=None,
+    )  # fmt: skip
+    assert best is not None, f"{module} is in no layer of LAYERS: add it"
+    return best[1]
+
+
+def test_no_import_points_up_a_layer():
+    up = [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+        for m, deps in sorted(graph(in_functions=True).items())
+        for d in sorted(deps)
+        if layer_of(d) > layer_of(m)
+    ]
+    assert up == []
