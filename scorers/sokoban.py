@@ -13,16 +13,16 @@ from collections.abc import Sequence
 
 from agentree.envs.base import Task
 from agentree.envs.sokoban import solve_pushes
-from agentree.scorers.base import Branch, Score, Scorer
+from agentree.scorers.base import NodePath, Score, Scorer
 
 
 class SokobanScorer(Scorer):
     name = "sokoban"
 
-    def score(self, task: Task, branches: Sequence[Branch]) -> list[Score]:
+    def score(self, task: Task, branches: Sequence[NodePath]) -> list[Score]:
         return [self._one(b) for b in branches]
 
-    def _one(self, branch: Branch) -> Score:
+    def _one(self, branch: NodePath) -> Score:
         first = branch[0].info.get("env", {})
         last = branch[-1].info.get("env", {})
         if "room" not in last:

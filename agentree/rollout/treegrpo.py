@@ -73,11 +73,7 @@ class TreeGRPO(Controller):
                             new.append(runner.branch_at(tree, task, n, states[k][n]))
                 ctx.report(f"{self.name}: iteration {it + 1}, {len(new)} expansions")
                 self._run(runner, new, trees, states)
-        for tree in trees:
-            tree.meta.update({"controller": self.name, "config": cfg.model_dump()})
-        stats.trajectories = sum(len(self.group(t)) for t in trees)
-        stats.wall_s = time.perf_counter() - t0
-        return trees, stats
+        return self.finish(trees, stats, t0)
 
     @staticmethod
     def _inner(tree: Tree, top: int) -> list[int]:

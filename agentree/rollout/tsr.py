@@ -78,17 +78,13 @@ class TSR(Controller):
                 turn += 1
                 pools = self._turn(runner, tasks, trees, pools, ctx)
                 ctx.report(f"{self.name}: turn {turn}, {sum(map(len, pools))} live")
-        for tree in trees:
-            tree.meta.update({"controller": self.name, "config": cfg.model_dump()})
         if cfg.filter:
             uniform = [len({t.reward for t in self._kept(tree)}) <= 1 for tree in trees]
             if not all(uniform):  # a batch with nothing left would leave nothing to train on
                 for tree, u in zip(trees, uniform, strict=True):
                     tree.meta["filtered"] = u
             stats.extra["filtered"] = float(sum(uniform)) if not all(uniform) else 0.0
-        stats.trajectories = sum(len(self.group(t)) for t in trees)
-        stats.wall_s = time.perf_counter() - t0
-        return trees, stats
+        return self.finish(trees, stats, t0)
 
     def _turn(
         self,
