@@ -53,7 +53,9 @@ def test_ray_launched_ranks_match_one_process(fixed_batch, tmp_path):  # noqa: F
     env = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
     env.update({k: os.environ[k] for k in ("AGENTREE_CACHE",) if k in os.environ})
     logs = tempfile.mkdtemp(prefix="atr", dir="/tmp")  # Ray's socket paths must stay short
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, _temp_dir=logs)
+    # room for what a real run reserves (2 ranks, and rank 0's 2 rollout workers) though only
+    # the ranks start here: the pre-check refuses a cluster that cannot hold the run
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env}, _temp_dir=logs)
     try:
         cfg = cfg_for(tmp_path, "train.fsdp=true", "train.world_size=2", "distributed.backend=ray")
         got, none = launch_on_ray(cfg, _ray_rank, (fixed_batch, tmp_path / "run"))

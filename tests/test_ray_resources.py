@@ -62,7 +62,7 @@ def test_a_run_larger_than_the_cluster_is_refused_in_one_line() -> None:
     assert "distributed.engine_replicas (0: an engine in each worker)" in msg
 
     # the scorer actor (a PRM) and 2 training ranks: 2 + 0.5 + 2 = 4.5 CPUs
-    n = needs(["distributed.scorer_cpus=0.5", "train.world_size=2"], scorer=True)
+    n = needs(["distributed.scorer_cpus=0.5", "train.world_size=2", "train.fsdp=true"], scorer=True)
     assert total(n, "CPU") == 4.5
     with pytest.raises(ValueError, match=r"has 4 CPU in all but this run reserves 4\.5 "):
         check_resources(n, {"CPU": 4.0})
@@ -133,7 +133,7 @@ def test_two_one_cpu_nodes_run_the_default_placement(small_cluster, tiny_frozenl
     )
     rt = Runtime(cfg, log=lambda _m: None)
     try:
-        assert len(rt.cluster.workers) == 2 and rt.cluster.replicas == []
-        assert len(rt.cluster.nodes) == 2
+        assert len(rt.rollouts.workers) == 2 and rt.rollouts.replicas == []
+        assert len(rt.rollouts.nodes) == 2
     finally:
         rt.close()

@@ -87,7 +87,7 @@ def test_multi_turn_rollout_trains_on_the_sampled_ids(tmp_path: Path, smollm2: P
     )
     tr = Trainer(cfg, tmp_path, log=lambda s: None)
     try:
-        trees, _ = tr.rt.rollout(tr.next_tasks(1))
+        trees, _ = tr.rt.rollouts.rollout(tr.next_tasks(1))
         groups = [tr.rt.controller.group(t) for t in trees]
         trajs = [t for g in groups for t in g]
         assert max(t.num_turns for t in trajs) >= 2  # a multi-turn context, glue included
