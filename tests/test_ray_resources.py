@@ -85,7 +85,8 @@ def test_gpus_and_node_sizes_are_checked() -> None:
 def small_cluster(agentree_cache):
     """Two nodes of one CPU each (the case from the issue)."""
     ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
-    from agentree.distributed.cluster import LocalCluster, free_port
+    from agentree.distributed.cluster import LocalCluster
+    from agentree.launch import free_port
 
     c = LocalCluster(port=free_port(), nodes=2, cpus_per_node=1)
     saved = dict(os.environ)

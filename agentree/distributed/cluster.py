@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agentree.config import DistributedConfig, ExperimentConfig
+from agentree.launch import free_port
 
 WORKER_NICENESS = "RAY_worker_niceness"
 """Ray starts its worker processes at niceness 15 so its own daemons stay responsive; on a
@@ -300,14 +301,6 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def processes_matching(*needles: str, open_files: bool = False) -> list[int]:
