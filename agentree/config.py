@@ -160,6 +160,10 @@ class TrainConfig(_Section):
     """Write the step's trees to trees/ every N steps (0: never)."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before and after training)."""
+    max_minutes: float = Field(0.0, ge=0)
+    """Stop after the first step that ends past this many minutes of training (0: no limit),
+    then evaluate and save as at the last step. The clock counts rollouts, updates and
+    checkpoints but not held-out evaluations, and a resumed run continues it."""
     world_size: int = Field(1, ge=1)
     """Training ranks (processes); >1 needs `fsdp: true`."""
     fsdp: bool = False

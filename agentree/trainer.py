@@ -94,6 +94,8 @@ class Trainer:
         self._cursor = 0
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
+        self._trained_s = 0.0
+        """Seconds spent training so far (rollouts, updates, checkpoints; not evaluation)."""
         log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
         self.tracker = Tracker(log_cfg, run_dir, cfg.model_dump(), tc.trees_every)
         self._pending: tuple[PendingRollout, int] | None = None
@@ -133,21 +135,39 @@ class Trainer:
         if self.step == 0:
             history["eval_before"] = self.evaluate()
         while self.step < tc.steps:
+            t0 = time.monotonic()
             metrics = self.train_step()
             self.step += 1
+            self._trained_s += time.monotonic() - t0
+            metrics["time/trained_min"] = self._trained_s / 60
             self.write_metrics(metrics)
             self._step_start = None
             self.stop.release()  # a stop requested during the update takes effect here
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+            last = self.step >= tc.steps or self._out_of_time()
+            if tc.eval_every and self.step % tc.eval_every == 0 and not last:
                 metrics.update(self.evaluate())
             if on_step is not None:
                 on_step(self.step, metrics)
             if tc.save_every and self.step % tc.save_every == 0:
+                t0 = time.monotonic()
                 self.save()
+                self._trained_s += time.monotonic() - t0
+            if last:
+                break
+        if self.step < tc.steps:
+            self.log(
+                f"train.max_minutes={tc.max_minutes:g} reached after step {self.step} "
+                f"({self._trained_s / 60:.1f} min of training): stopping"
+            )
         history["eval_after"] = self.evaluate()
         self.save()
         self.tracker.close()
         return history
+
+    def _out_of_time(self) -> bool:
+        """Rank 0's clock decides for every rank, so all ranks stop at the same step."""
+        limit = self.cfg.train.max_minutes
+        return bool(limit) and bool(broadcast_object(self._trained_s >= 60 * limit))
 
     def evaluate(self, log: bool = True) -> dict[str, float]:
         if self.rt is None:
@@ -336,6 +356,7 @@ class Trainer:
         self.rng.setstate(state["rng"])
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
+        self._trained_s = state.get("trained_s", 0.0)
 
     def _loop_state(self) -> dict[str, Any]:
         return {
@@ -343,6 +364,7 @@ class Trainer:
             "order": list(self._order),
             "cursor": self._cursor,
             "torch_rng": torch.get_rng_state(),
+            "trained_s": self._trained_s,
         }
 
     def resume(self) -> bool:

@@ -13,6 +13,11 @@ sys.path.insert(0, str(TESTS))  # makes `custom_env.*` importable as a user's ow
 # The user's cache, read before the session points AGENTREE_CACHE at a temp dir: a real model
 # pulled there once (`agentree models pull smollm2-135m`, as .ci/run does) is reused read-only.
 USER_CACHE = Path(os.environ.get("AGENTREE_CACHE", Path.home() / ".cache" / "agentree"))
+# One Ray auth mode for the whole session. A private `ray.init()` with RAY_AUTH_MODE unset turns
+# token auth on for the rest of its process (Ray caches the mode and writes ~/.ray/auth_token);
+# the test clusters run with it off (`LocalCluster`), so every later test driving them had its
+# actors cancelled as they started ("the actor died unexpectedly").
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -123,6 +123,26 @@ def test_checkpoint_resume_restores_state(tmp_path, tiny_frozenlake):
     again.rt.close()
 
 
+def test_max_minutes_stops_the_run_evaluates_saves_and_resumes_the_clock(tmp_path, tiny_frozenlake):
+    cfg = small_config(tmp_path, "train.max_minutes=0.0001", steps=50)  # 6 ms: one step
+    logs: list[str] = []
+    tr = Trainer(cfg, tmp_path, log=logs.append)
+    history = tr.fit()
+    tr.rt.close()
+    assert tr.step == 1
+    assert "eval/success_rate" in history["eval_after"]
+    assert any("train.max_minutes=0.0001 reached after step 1" in m for m in logs), logs
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["time/trained_min"] for r in rows if "time/trained_min" in r]
+    assert len(trained) == 1 and trained[0] > 0
+    again = Trainer(cfg, tmp_path, log=lambda s: None)
+    assert again.resume() and again._trained_s == pytest.approx(60 * trained[0])
+    again.fit()  # the clock went on from the checkpoint: still past the limit, one more step
+    again.rt.close()
+    assert again.step == 2
+
+
 def test_dynamic_sampling_drops_uninformative_groups(tmp_path, tiny_frozenlake):
     # one-turn episodes on maps whose goal is two steps away: every reward is 0
     cfg = small_config(
