@@ -441,7 +441,7 @@ def cmd_sft(args: Any) -> int:
         system = env.system_prompt
     finally:
         env.close()
-    # deferred: transformers is heavy
+    # deferred: transformers takes seconds to import, which `agentree --help` should not pay for
     from transformers import AutoTokenizer
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy))

@@ -17,9 +17,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agentree.advantages import check_advantage_options
 from agentree.envs.base import env_class, format_validation_error
 from agentree.models.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
+from agentree.rollout.base import controller_class
+from agentree.scorers.base import scorer_class
 
 DEFAULT_CONFIG = "frozenlake_patr"
 ENV_CONFIGS = {
@@ -183,8 +186,6 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_advantage_options(self) -> TrainConfig:
-        from agentree.advantages import check_advantage_options
-
         if "scale" in self.advantage_options:
             raise ValueError("set the grpo std scaling with train.adv_scale, not advantage_options")
         check_advantage_options(self.advantage, self.advantage_options)
@@ -373,9 +374,6 @@ def validate_config(data: dict[str, Any]) -> ExperimentConfig:
         cfg = ExperimentConfig(**data)
     except ValidationError as e:
         raise ValueError(format_validation_error(e, "config").replace("'config.", "'")) from None
-    from agentree.rollout.base import controller_class
-    from agentree.scorers.base import scorer_class
-
     resolvers = {"env": env_class, "rollout": controller_class, "scorer": scorer_class}
     for section, resolve in resolvers.items():
         sec = getattr(cfg, section)

@@ -9,16 +9,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from agentree.checkpoint import latest_checkpoint
 from agentree.lora import ADAPTER_DIR
 
 
 def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     """Write the merged model and tokenizer of a run's latest checkpoint (or of a checkpoint
     directory) to `output`; return `output`."""
+    # deferred: torch and transformers take seconds to import; the CLI imports this module at start
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agentree.checkpoint import latest_checkpoint
 
     src = Path(run_or_ckpt)
     ckpt = src if (src / "trainer_state.pt").exists() else latest_checkpoint(src)
@@ -30,6 +30,7 @@ def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     adapter = ckpt / ADAPTER_DIR
     if adapter.is_dir():
+        # deferred: peft is the optional [train] extra
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(adapter).base_model_name_or_path

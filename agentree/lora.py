@@ -18,6 +18,7 @@ ADAPTER_DIR = "adapter"
 
 def add_lora(model: Any, lc: LoraSettings) -> Any:
     """Wrap `model` in a peft model with fresh adapters; the base weights are frozen."""
+    # deferred: peft is the optional [train] extra
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

@@ -49,6 +49,7 @@ GIB = 1024**3
 
 def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
     """(transformers config, where it came from) for the policy, without weights."""
+    # deferred: transformers takes seconds to import; the CLI imports this module at start
     from transformers import AutoConfig, Qwen2Config
 
     path = cfg.policy.path
@@ -76,6 +77,7 @@ def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
 
 def count_parameters(conf: Any, target_modules: list[str], r: int) -> dict[str, int]:
     """Parameters of the architecture (meta device: nothing allocated) and of LoRA rank r."""
+    # deferred: torch and transformers take seconds to import; the CLI imports this module at start
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -146,6 +148,7 @@ def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def placement(cfg: ExperimentConfig) -> list[str]:
+    # deferred: torch takes seconds to import; the CLI imports this module at start
     import torch
 
     tc = cfg.train

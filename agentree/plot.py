@@ -91,9 +91,11 @@ def plot_runs(runs: Sequence[str], output: str | Path, *, smooth: int = 1) -> di
     """
     if not runs:
         raise ValueError("agentree plot needs at least one run directory")
+    # deferred: matplotlib is the optional [view] extra
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: the [view] extra too, and pyplot is imported once the backend is chosen
     import matplotlib.pyplot as plt
 
     data = {}

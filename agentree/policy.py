@@ -18,20 +18,17 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.engines.base import Engine
+from agentree.models.pretrained import local_policy
+from agentree.models.tiny import tiny_policy_for_env
+from agentree.models.warm import WARM_ENVS, warm_policy_for_env
 
 
 def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     """A loadable directory for `policy.path`: `tiny` and `warm`/`tiny-warm` are built (once,
     cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
-    # deferred: building or converting a policy imports torch and transformers
-    from agentree.models.pretrained import local_policy
-
     path = cfg.policy.path
     if path not in ("tiny", "tiny-warm", "warm"):
         return local_policy(path, log)
-    from agentree.models.tiny import tiny_policy_for_env
-    from agentree.models.warm import WARM_ENVS, warm_policy_for_env
-
     env_name, env_kwargs = cfg.component("env")
     warm = cfg.policy.warm
     if path == "tiny-warm" and warm.base != "tiny":
@@ -61,7 +58,8 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
 
 def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
     """(engine, trainable model, tokenizer). The transformers engine shares the model."""
-    # deferred: torch, transformers and vLLM are heavy; `import agentree` must not load them
+    # deferred: torch and agentree.engines.hf (torch) take seconds to import; the CLI imports
+    # this module at start
     import torch
 
     from agentree.engines.hf import HFEngine, load_policy
@@ -112,13 +110,13 @@ def build_serving_engine(
         )
     backend = resolve_backend(backend)
     if backend == "transformers":
-        # deferred: torch and transformers are heavy
+        # deferred: agentree.engines.hf imports torch; the CLI imports this module at start
         from agentree.engines.hf import HFEngine
 
         engine = HFEngine.from_pretrained(path, dtype=dtype, device=device, seed=seed)
         return engine, engine.tokenizer
     if backend == "vllm":
-        # deferred: transformers is heavy
+        # deferred: transformers takes seconds to import; the CLI imports this module at start
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -131,7 +129,8 @@ def build_serving_engine(
 
 def _vllm_engine(path: str, tokenizer: Any, seed: int, kwargs: dict[str, Any]) -> Engine:
     try:
-        # deferred: vLLM is optional and heavy
+        # deferred: agentree.engines.vllm imports torch and transformers (vllm itself is the
+        # optional [vllm] extra)
         from agentree.engines.vllm import VLLMEngine
     except ImportError as e:
         raise ValueError(

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentree.config import load_config, validate_config
+
 
 class StopSignals:
     """Turns SIGINT/SIGTERM into `KeyboardInterrupt`, held between `hold()` and `release()`."""
@@ -84,8 +86,6 @@ def resume_config(
     log: Callable[[str], None],
 ) -> Any:
     """The saved config of `run_dir`; flags that would change it are an error naming them."""
-    from agentree.config import load_config, validate_config
-
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists():
         raise ValueError(f"{saved_path} not found: {run_dir} is not an agentree run directory")

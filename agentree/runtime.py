@@ -35,7 +35,7 @@ class Runtime:
         self.engine, self.model, self.tokenizer = build_engine(cfg, self.policy_path)
         self.rollouts: Rollouts
         if ray:
-            # deferred: Ray is an optional dependency, loaded only for distributed.backend=ray
+            # deferred: ray is the optional [ray] extra, loaded only for distributed.backend=ray
             from agentree.distributed.scheduler import RayRollouts
 
             try:

@@ -29,6 +29,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentree.chat import ChatFormat
+from agentree.tree import Tree
+
 OBSERVATION_ROLES = frozenset({"user", "tool", "ipython", "function", "observation"})
 
 
@@ -178,8 +181,6 @@ def load_examples(
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
     """Examples from a chat JSONL file or a directory of agentree trees."""
-    from agentree.tree import Tree
-
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {path} does not exist")
@@ -215,9 +216,10 @@ def run_sft(
     the policy's chat format; `system` fills in a missing system message). Returns a summary
     (losses per epoch, tokens, wall time), also written to `output/sft.json`.
     """
+    # deferred: torch (and agentree.engines.hf, which imports it) take seconds to import; the
+    # CLI imports this module at start
     import torch
 
-    from agentree.chat import ChatFormat
     from agentree.engines.hf import load_policy
 
     cfg = cfg or SFTConfig()
@@ -239,7 +241,7 @@ def run_sft(
         )
     torch.manual_seed(cfg.seed)
     if cfg.lora_r:
-        # deferred: peft is the optional `train` extra
+        # deferred: peft is the optional [train] extra
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear")
@@ -307,6 +309,7 @@ def run_sft(
 
 def sft_loss(model: Any, batch: Sequence[SFTExample], pad: int, device: Any) -> tuple[Any, int]:
     """(mean cross-entropy over the batch's masked target tokens, number of those tokens)."""
+    # deferred: torch takes seconds to import; the CLI imports this module at start
     import torch
     import torch.nn.functional as F
 

@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from agentree.batching import Batch
 from agentree.config import ExperimentConfig, TrainConfig
@@ -97,6 +100,8 @@ def build_trainable(
     device (no memory), shard it, and receive their shards from rank 0, so no rank but 0 ever
     holds the full model. With LoRA and bf16 the frozen base is loaded in bf16: it gets no
     gradient, so it needs no fp32 master copy (peft keeps the adapters in fp32)."""
+    # deferred: transformers takes seconds to import; only loading a model needs it, not
+    # importing the trainer (which imports this module)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tc = cfg.train
@@ -137,8 +142,6 @@ def fill_from_rank0(model: Any, full: dict[str, torch.Tensor], device: torch.dev
     """Give every rank its shards of rank 0's `full` state dict (one tensor broadcast at a
     time), and rank 0's buffers: the non-persistent ones (rotary frequencies) are in no state
     dict and are still on the meta device on the other ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     if dist.get_world_size() == 1:
         return
     if dist.get_rank() != 0:
@@ -158,9 +161,6 @@ def fill_from_rank0(model: Any, full: dict[str, torch.Tensor], device: torch.dev
 
 def shard(model: Any, tc: TrainConfig, device: torch.device) -> None:
     """FSDP2 over all ranks: one unit per decoder layer plus the root (embeddings, head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
     if tc.dtype == "bf16":

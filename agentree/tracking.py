@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentree.config import LogConfig
+from agentree.view import write_view
 
 
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -40,6 +41,7 @@ class Tracker:
         self.wandb = None
         if cfg.tensorboard:
             try:
+                # deferred: tensorboard is the optional [view] extra
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError(
@@ -49,6 +51,7 @@ class Tracker:
             self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
         if cfg.wandb.project:
             try:
+                # deferred: wandb is the optional [view] extra
                 import wandb
             except ImportError as e:
                 raise ImportError(
@@ -88,9 +91,8 @@ class Tracker:
 
     def log_trees(self, step: int) -> Path:
         """Render the run's trees with `agentree view` and log the page as a W&B artifact."""
+        # deferred: wandb is the optional [view] extra
         import wandb
-
-        from agentree.view import write_view
 
         page, _ = write_view(self.dir, self.dir / "view.html")
         art = wandb.Artifact(f"trees-{self.wandb.id}", type="tree-view")

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from agentree.advantages import compute_advantages
 from agentree.evaluation import success
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
@@ -138,8 +139,6 @@ def node_advantages(
 
 def tree_payload(tree: Tree, estimator: str, kw: dict[str, Any], file: str) -> dict[str, Any]:
     """One tree as the viewer draws it: nodes without token ids, plus the annotations."""
-    from agentree.advantages import compute_advantages
-
     group = rollout_group(tree)
     per_token = compute_advantages(estimator, [tree], [group], **kw)[0] if group else []
     leaf_adv, segment_adv = node_advantages(tree, group, per_token)

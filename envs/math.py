@@ -92,6 +92,7 @@ def load_math_verify(required: bool = False) -> ModuleType | None:
     """The `math_verify` module, or None (with one warning per process) when not installed."""
     global _warned_missing
     try:
+        # deferred: math_verify is the optional [math] extra
         import math_verify
     except ImportError:
         if required:

@@ -29,6 +29,12 @@ from pydantic import Field
 
 from agentree.envs.base import Env, EnvConfig, Task, read_records, records_to_tasks
 from agentree.prompts import render
+from agentree.swe import local_suite
+from agentree.swe.grading import grade
+from agentree.swe.images import ensure_image, ensure_images
+from agentree.swe.instances import docker_id, from_record
+from agentree.swe.runtime import install_signal_handlers
+from agentree.swe.sandbox import Sandbox, SandboxConfig, SandboxError
 
 SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SUBMIT_ACTION = f"THOUGHT: I am done; submit the changes.\n\n```bash\necho {SENTINEL}\n```"
@@ -103,8 +109,6 @@ class SWEEnv(Env):
     def __init__(self, **kwargs: Any) -> None:
         self.config = SWEConfig(**kwargs)
         self.system_prompt = render("swe/system.txt")
-        from agentree.swe.runtime import install_signal_handlers
-
         install_signal_handlers()  # envs are usually built in the main thread, Docker calls not
         self._lock = threading.RLock()
         self._sandbox: Any = None
@@ -120,9 +124,6 @@ class SWEEnv(Env):
     ) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
         inst = self.instance_from_options(options)
-        from agentree.swe.images import ensure_image
-        from agentree.swe.sandbox import Sandbox, SandboxError
-
         with self._lock:
             self._close_sandbox()
             ensure_image(inst, build=self.config.build_local, progress=_notify)
@@ -222,8 +223,6 @@ class SWEEnv(Env):
         patch that could not be read (output cut in transit, time out) raises `SandboxError`,
         so the episode ends as an env error instead of being graded as an empty patch.
         """
-        from agentree.swe.sandbox import SandboxError
-
         with self._lock:
             excludes = " ".join(f"':(exclude){p}'" for p in self._instance.hidden_paths)
             res = self._sandbox.exec(
@@ -245,8 +244,6 @@ class SWEEnv(Env):
         return res.output, ""
 
     def _grade(self, patch: str, problem: str) -> dict[str, Any]:
-        from agentree.swe.grading import grade
-
         if problem:
             return {
                 "resolved": False,
@@ -286,8 +283,6 @@ class SWEEnv(Env):
                 "this snapshot was taken by an SWEEnv with a different config; restore it into "
                 "an env built with the same settings"
             )
-        from agentree.swe.sandbox import Sandbox
-
         with self._lock:
             cfg = self._sandbox_config(state.instance)
             if self._sandbox is not None and self._sandbox.config == cfg:
@@ -311,8 +306,6 @@ class SWEEnv(Env):
         return tuple(sorted(self.config.model_dump().items()))
 
     def _sandbox_config(self, inst: Any) -> Any:
-        from agentree.swe.sandbox import SandboxConfig
-
         c = self.config
         env = dict(DEFAULT_ENV)
         env.update(dict(inst.env))
@@ -335,8 +328,6 @@ class SWEEnv(Env):
         """A Task from a SWE-bench / R2E-Gym record (or an agentree {"id", "options"} record)."""
         if isinstance(record, dict) and "id" in record and set(record) <= {"id", "seed", "options"}:
             return super().task_from_record(record)
-        from agentree.swe.instances import from_record
-
         inst = from_record(record)
         return Task(inst.instance_id, None, {"instance": inst.to_record()})
 
@@ -368,8 +359,6 @@ class SWEEnv(Env):
     @classmethod
     def named_tasks(cls, name: str, *, seed: int = 0, split: str = "train") -> list[Task]:
         if name == "local":
-            from agentree.swe import local_suite
-
             return [cls.task_from_record(r) for r in local_suite.records()]
         if name == "verified":
             return [cls.task_from_record(r) for r in load_verified()]
@@ -380,8 +369,6 @@ class SWEEnv(Env):
         cls, tasks: Iterable[Task], *, progress: Callable[[str], None] | None = None, **config: Any
     ) -> None:
         """Make sure every task's image exists (builds missing local-suite images); no-op if so."""
-        from agentree.swe.images import ensure_images
-
         cfg = SWEConfig(**config)
         instances = [_instance_from_options(t.options, cfg.image) for t in tasks]
         ensure_images(instances, build=cfg.build_local, progress=progress or (lambda _: None))
@@ -470,9 +457,6 @@ def empty_policy(task: Task, history: Sequence[tuple[str, str]]) -> str:
 
 # -- task sources ----------------------------------------------------------------------------
 def _instance_from_options(options: dict[str, Any] | None, image_template: str | None) -> Any:
-    from agentree.swe import local_suite
-    from agentree.swe.instances import docker_id, from_record
-
     options = options or {}
     if "instance" in options:
         inst = from_record(options["instance"])
@@ -501,6 +485,7 @@ def _instance_from_options(options: dict[str, Any] | None, image_template: str |
 
 def _task_repo_records(path: Path) -> list[dict[str, Any]]:
     """Instances of a swebench 5.x task repo (tasks/<instance_id>/task.yaml, ...)."""
+    # deferred: swebench is the optional [swe] extra
     from swebench.task.repo import load_task, task_dirs
 
     try:
@@ -512,6 +497,7 @@ def _task_repo_records(path: Path) -> list[dict[str, Any]]:
 def load_verified(split: str = "test") -> list[dict[str, Any]]:
     """SWE-bench Verified from the Hugging Face hub (needs network or a warm cache)."""
     try:
+        # deferred: datasets is the optional [swe] extra
         from datasets import load_dataset
 
         return [dict(r) for r in load_dataset(VERIFIED_DATASET, split=split)]

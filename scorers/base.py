@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.envs.base import Task, format_validation_error
 from agentree.registry import Registry
@@ -84,8 +84,6 @@ def scorer_class(name: str) -> type[Scorer]:
 
 
 def make_scorer(name: str, **kwargs: Any) -> Scorer:
-    from pydantic import ValidationError
-
     cls = scorer_class(name)
     try:
         cfg = cls.Config(**kwargs)

@@ -171,6 +171,7 @@ class JudgeScorer(Scorer):
     def __init__(self, config: JudgeConfig | None = None) -> None:
         super().__init__(config)
         try:
+            # deferred: openai is the optional [scorers] extra
             import openai
         except ImportError:
             raise ImportError(
@@ -278,6 +279,7 @@ class JudgeScorer(Scorer):
                 self._cache.move_to_end(key)
                 self.stats["cache_hits"] += 1
                 return _Answer(self._cache[key], cached=True)
+        # deferred: tenacity is the optional [scorers] extra
         from tenacity import (
             Retrying,
             retry_if_exception,
@@ -347,6 +349,7 @@ class JudgeScorer(Scorer):
 
 def _transient(e: BaseException) -> bool:
     """Errors worth retrying: timeouts, connection problems, rate limits, server errors."""
+    # deferred: openai is the optional [scorers] extra
     import openai
 
     if isinstance(e, openai.APITimeoutError | openai.APIConnectionError):

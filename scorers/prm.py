@@ -22,6 +22,7 @@ that alone does not fit keeps its head and tail. What the model saw is decoded i
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
+from safetensors import safe_open
 
 from agentree.envs.base import Task
 from agentree.prompts import render
@@ -86,6 +88,8 @@ class PRMScorer(Scorer):
     def __init__(self, config: PRMConfig | None = None) -> None:
         super().__init__(config)
         if self.config.backend == "vllm":
+            # deferred: transformers takes seconds to import and prm_vllm imports vllm (the
+            # optional [vllm] extra); validating a config that names this scorer imports it
             from transformers import AutoTokenizer
 
             from agentree.scorers.prm_vllm import VLLMPRM
@@ -192,6 +196,8 @@ class PRMScorer(Scorer):
 
     def step_rewards(self, inputs: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
         """sigmoid(v_head(h)) at the flagged positions of each input, batched by length."""
+        # deferred: torch takes seconds to import; validating a config that names this scorer
+        # imports this module
         import torch
 
         out: list[list[float]] = [[] for _ in inputs]
@@ -245,6 +251,8 @@ class PRMScorer(Scorer):
 # -- loading -----------------------------------------------------------------------------------
 def load_prm(path: str, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any, Any]:
     """(base LM without vocab head, value head Linear(hidden, 1) in fp32, tokenizer)."""
+    # deferred: torch, transformers and agentree.engines.hf (torch) take seconds to import (see
+    # step_rewards)
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -275,12 +283,14 @@ def load_prm(path: str, *, dtype: str = "auto", device: str = "auto") -> tuple[A
 def resolve_prm_path(path: str) -> Path:
     """A local directory for `path`: as given, the tiny PRM, or a hub snapshot."""
     if path == "tiny":
+        # deferred: agentree.models.tiny_prm imports torch (see step_rewards)
         from agentree.models.tiny_prm import build_tiny_prm
 
         return build_tiny_prm()
     if Path(path).is_dir():
         return Path(path)
     try:
+        # deferred: huggingface_hub takes ~0.5 s to import (see step_rewards)
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(path))
@@ -293,8 +303,7 @@ def resolve_prm_path(path: str) -> Path:
 
 def read_value_head(path: Path) -> tuple[Any, Any]:
     """`v_head.summary.weight` and `.bias` from the checkpoint's weight files."""
-    import json
-
+    # deferred: torch takes seconds to import (see step_rewards)
     import torch
 
     files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
@@ -307,8 +316,6 @@ def read_value_head(path: Path) -> tuple[Any, Any]:
     found: dict[str, Any] = {}
     for f in dict.fromkeys(files):
         if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
             with safe_open(str(f), framework="pt") as sf:
                 names = set(sf.keys())  # safe_open has no `in`
                 found.update({k: sf.get_tensor(k) for k in V_HEAD_KEYS if k in names})

@@ -20,12 +20,16 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from vllm import ModelRegistry
 from vllm.config import VllmConfig
+from vllm.inputs import TokensPrompt
 from vllm.model_executor.layers.pooler.tokwise import pooler_for_token_classify
 from vllm.model_executor.layers.pooler.tokwise.methods import AllPool
 from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
+
+from agentree.engines.vllm import start_llm, stop_llm
 
 ARCHITECTURE = "Qwen2ForPrmModel"
 
@@ -88,8 +92,6 @@ class Qwen2ForPrmModel(nn.Module):
 
 def register() -> None:
     """vLLM plugin hook: make `Qwen2ForPrmModel` checkpoints loadable (runner: pooling)."""
-    from vllm import ModelRegistry
-
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:Qwen2ForPrmModel")
 
@@ -98,8 +100,6 @@ class VLLMPRM:
     """A PRM checkpoint served by vLLM: one step probability per input token."""
 
     def __init__(self, path: str, *, dtype: str = "auto", **llm_kwargs: Any) -> None:
-        from agentree.engines.vllm import start_llm
-
         register()  # this process resolves the architecture; the plugin hook covers workers
         kwargs: dict[str, Any] = {"runner": "pooling"}
         if dtype != "auto":
@@ -110,15 +110,11 @@ class VLLMPRM:
 
     def token_probs(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """sigmoid(v_head(h)) at every position of each token-id input (vLLM batches them)."""
-        from vllm.inputs import TokensPrompt
-
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in inputs]
         outs = self.llm.encode(prompts, pooling_task="token_classify", use_tqdm=False)
         return [o.outputs.data.float().reshape(-1).cpu() for o in outs]
 
     def close(self) -> None:
-        from agentree.engines.vllm import stop_llm
-
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             stop_llm(llm)

@@ -3,12 +3,17 @@ one (the layers of docs/architecture.md).
 
 Read with `ast` from the source files: module-level imports give the graph (a cycle means a
 missing seam); function-level imports of agentree modules count too, since a deferred import
-of the package itself hides an edge of that graph rather than a cost.
+of the package itself hides an edge of that graph rather than a cost. An import inside a
+function says why it is there (`# deferred: ...`): a heavy or optional dependency (torch,
+transformers, vLLM, Ray, Docker, an extra) kept off the import of the module.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 import agentree
@@ -155,3 +160,51 @@ def test_no_import_points_up_a_layer():
         if layer_of(d) > layer_of(m)
     ]
     assert up == []
+
+
+def function_level_imports(tree: ast.Module) -> Iterator[tuple[ast.stmt, bool]]:
+    """(import, whether it opens its group) for each import inside a function; a group is a run
+    of import statements one after another in the same block (blank lines allowed)."""
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.stmt, bool]]:
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            after_import = False
+            for stmt in block:
+                is_import = isinstance(stmt, ast.Import | ast.ImportFrom)
+                if in_function and is_import:
+                    yield stmt, not after_import
+                after_import = is_import
+        for child in ast.iter_child_nodes(node):
+            inner = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            yield from visit(child, in_function or inner)
+
+    yield from visit(tree, False)
+
+
+def reason(lines: list[str], comments: dict[int, str], lineno: int) -> str:
+    """The comment on line `lineno` and the block of comment lines right above it."""
+    above = []
+    i = lineno - 1
+    while i >= 1 and lines[i - 1].lstrip().startswith("#"):
+        above.insert(0, lines[i - 1].strip())
+        i -= 1
+    return " ".join([*above, comments.get(lineno, "")])
+
+
+def test_imports_inside_functions_say_why():
+    """Every import inside a function (the first of a group of them) has a comment, on the line
+    above or on its own line, saying why it is deferred (`# deferred: torch takes seconds to
+    import; the CLI imports this module at start`); anything else belongs at the module's top."""
+    silent = []
+    for name, path in sorted(modules().items()):
+        source = path.read_text()
+        lines = source.splitlines()
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        comments = {t.start[0]: t.string for t in tokens if t.type == tokenize.COMMENT}
+        for stmt, first in function_level_imports(ast.parse(source)):
+            if first and "deferred" not in reason(lines, comments, stmt.lineno):
+                silent.append(f"{name}:{stmt.lineno}: {lines[stmt.lineno - 1].strip()}")
+    assert silent == [], "imports inside functions without a `# deferred: why` comment"

@@ -22,6 +22,8 @@ from typing import Any
 
 from agentree.config import DistributedConfig, ExperimentConfig
 from agentree.launch import free_port
+from agentree.rollout.base import make_controller
+from agentree.scorers.base import scorer_class
 
 WORKER_NICENESS = "RAY_worker_niceness"
 """Ray starts its worker processes at niceness 15 so its own daemons stay responsive; on a
@@ -35,6 +37,7 @@ FORWARDED_ENV = ("AGENTREE_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO
 
 def import_ray() -> Any:
     try:
+        # deferred: ray is the optional [ray] extra; the CLI imports this module at start
         import ray
     except ImportError:
         raise ImportError(
@@ -104,9 +107,6 @@ def engine_replicas(dc: DistributedConfig, cluster_gpus: float) -> int:
 def scorer_actor_needed(cfg: ExperimentConfig) -> bool:
     """A scorer that holds a model (PRM) runs as one actor shared by the workers, when the
     rollout controller scores at all."""
-    from agentree.rollout.base import make_controller
-    from agentree.scorers.base import scorer_class
-
     rollout_name, rollout_kwargs = cfg.component("rollout")
     if not make_controller(rollout_name, **rollout_kwargs).uses_scorer:
         return False

@@ -35,13 +35,11 @@ class RankActor:
 
     def node(self) -> tuple[str, int]:
         """(this node's address, a port free on it): the rendezvous of the process group."""
-        import ray
-
+        ray = import_ray()
         return ray.util.get_node_ip_address(), free_port()
 
     def run(self, env: dict[str, str], fn: Callable[..., Any], args: Sequence[Any]) -> Any:
-        import ray
-
+        ray = import_ray()
         os.environ.update(env)
         # Ray hands each rank actor its own GPU(s) as CUDA_VISIBLE_DEVICES: device 0 is its own
         os.environ["LOCAL_RANK"] = "0" if ray.get_gpu_ids() else env["RANK"]

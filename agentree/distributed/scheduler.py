@@ -85,6 +85,8 @@ class RayRollouts:
             raise
 
     def _start(self, cfg: ExperimentConfig, model: Any, log: Callable[[str], None]) -> None:
+        # deferred: these modules import ray at load; import_ray() in __init__ says first that
+        # it is the optional [ray] extra
         from agentree.distributed.engine import EngineReplica
         from agentree.distributed.worker import RolloutWorker
 
@@ -138,6 +140,7 @@ class RayRollouts:
         if not scorer_actor_needed(cfg):
             return
         name, settings = cfg.component("scorer")
+        # deferred: it imports ray at load (the optional [ray] extra; see _start)
         from agentree.distributed.scorer import ScorerActor
 
         dc = cfg.distributed

@@ -17,15 +17,13 @@ from typing import Any
 import ray
 
 from agentree.envs.base import Task
-from agentree.scorers.base import NodePath, Score, Scorer
+from agentree.scorers.base import NodePath, Score, Scorer, make_scorer
 
 
 class ScorerActor:
     """The config's scorer, built once in its own process."""
 
     def __init__(self, name: str, settings: dict[str, Any]) -> None:
-        from agentree.scorers.base import make_scorer
-
         self.scorer = make_scorer(name, **settings)
         self.calls = 0
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+from transformers import AutoTokenizer
 
 from agentree.config import validate_config
 from agentree.distributed.engine import RemoteEngine
@@ -81,9 +83,6 @@ class RolloutWorker:
                 model.load_state_dict(weights)
                 engine.sync_weights(model)
             return LocalRollouts(cfg, parts, engine, tokenizer)
-        # deferred: transformers is heavy (the module itself is imported only under Ray)
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(path)
         info = ray.get(replicas[0].info.remote())
         return LocalRollouts(cfg, parts, RemoteEngine(replicas, tokenizer, info), tokenizer)
@@ -183,11 +182,11 @@ class RolloutWorker:
 def sweep_docker(*, stale: bool, force: bool = False) -> None:
     """Remove this process's Docker resources (and, with `stale`, those of dead processes on
     this host). Only when this process used Docker sandboxes, unless `force`."""
-    import sys
-
     if "agentree.swe.runtime" not in sys.modules and not force:
         return
     with contextlib.suppress(Exception):  # no Docker here: nothing to sweep
+        # deferred: a loaded agentree.swe.runtime is the sign (above) that this process used
+        # Docker; importing it at module level would make every worker look like one
         from agentree.swe import runtime
 
         runtime.cleanup(session=runtime.session_id(), stale=stale)

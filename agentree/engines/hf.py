@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.models.pretrained import local_policy
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (keys, values), each [kv_heads, seq, head_dim] for one sequence."""
@@ -128,6 +129,8 @@ class _Batch:
     """Live rows sharing one padded KV cache; the decoding state of a generate call/session."""
 
     def __init__(self, engine: HFEngine, prompts: list[list[int]]) -> None:
+        # deferred: transformers takes seconds to import, and this module's torch helpers
+        # (sample_next for LATR, resolve_device_dtype for the PRM scorer) must not pay for it
         from transformers import DynamicCache
 
         self.engine = engine
@@ -510,9 +513,8 @@ def check_policy_path(path: str | Path) -> None:
 def load_policy(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer the ordinary way (`from_pretrained`); a named
     pretrained checkpoint (`smollm2-135m`) or a GGUF file is fetched or converted first."""
+    # deferred: transformers takes seconds to import (see _Batch)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agentree.models.pretrained import local_policy
 
     path = local_policy(str(path))
     check_policy_path(path)

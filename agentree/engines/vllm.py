@@ -42,8 +42,10 @@ this process (zero-copy weight sync when the trainer shares the GPU).
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import random
+import signal
 import threading
 import time
 import warnings
@@ -51,6 +53,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
 
 from agentree.engines.base import Completion, EngineStats, SamplingParams
 
@@ -82,8 +88,6 @@ class VLLMEngine:
         i.e. top-K sampling)."""
         path = str(model)
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer = tokenizer
         self.stats = EngineStats()
@@ -209,6 +213,7 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine is closed")
 
     def _sampling(self, params: SamplingParams, max_tokens: int, k: int, rng: random.Random):
+        # deferred: vllm is the optional [vllm] extra (a GPU build); this module imports without it
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -229,6 +234,7 @@ class VLLMEngine:
         )
 
     def _run(self, inputs: list[list[int]], sps: list[Any]) -> list[Any]:
+        # deferred: vllm is the optional [vllm] extra
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in inputs]
@@ -271,13 +277,12 @@ class VLLMEngine:
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> Any:
         """[len(rows), vocab] float tensor: next-token log-softmax at temperature 1."""
-        import torch
-
         unique: dict[tuple[int, ...], int] = {}
         for r in rows:
             if len(r) >= self._max_len:
                 raise ValueError(f"a session row reached max_model_len {self._max_len}")
             unique.setdefault(tuple(r), len(unique))
+        # deferred: vllm is the optional [vllm] extra
         from vllm import SamplingParams as VSamplingParams
 
         sp = VSamplingParams(
@@ -313,8 +318,6 @@ class VLLMSession:
         return len(self.tokens)
 
     def next_logprobs(self) -> Any:
-        import torch
-
         if self._lp is None:
             self._lp = self.engine.next_logprobs(self.tokens)
         t = self.temperature
@@ -353,6 +356,7 @@ def start_llm(
     The caller's global RNG streams are kept, and a watchdog in the engine's worker ends the
     engine if this process dies without `stop_llm`.
     """
+    # deferred: vllm is the optional [vllm] extra
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -387,6 +391,7 @@ def stop_llm(llm: Any) -> None:
     _reap_children()
     if in_process:
         # the in-process worker set up torch.distributed; a later engine needs it gone
+        # deferred: vllm is the optional [vllm] extra
         from vllm.distributed.parallel_state import (
             destroy_distributed_environment,
             destroy_model_parallel,
@@ -419,16 +424,12 @@ def entropy_from_logprobs(logprobs: Sequence[float], vocab: int) -> float:
 def _pack(name: str, t: Any) -> tuple[str, str, list[int], bytes]:
     """A tensor as (name, dtype, shape, raw bytes): collective_rpc arguments cross processes as
     msgpack (between the client and the engine core), where tensors are not reconstructed."""
-    import torch
-
     t = t.detach().to("cpu").contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), raw
 
 
 def _unpack(item: Sequence[Any]) -> tuple[str, Any]:
-    import torch
-
     if len(item) == 2:  # in-process: (name, tensor)
         return item[0], item[1]
     name, dtype, shape, raw = item
@@ -458,8 +459,6 @@ class WorkerExtension:
         core = me if parent == client_pid else parent
 
         def watch() -> None:
-            import signal
-
             while _alive(client_pid):
                 time.sleep(1.0)
             os.kill(core, signal.SIGTERM)
@@ -472,8 +471,6 @@ class WorkerExtension:
 
 def _reap_children(timeout: float = 10.0) -> None:
     """Wait for the engine processes vLLM just stopped, so none lingers even as a zombie."""
-    import multiprocessing
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not [p for p in multiprocessing.active_children() if "EngineCore" in p.name]:
@@ -516,9 +513,6 @@ def _vllm_env(in_process: bool | None) -> Iterator[None]:
 @contextmanager
 def _keep_rng_state() -> Iterator[None]:
     """vLLM seeds the global RNGs of the process it runs in; keep the caller's streams."""
-    import numpy as np
-    import torch
-
     py, npy, pt = random.getstate(), np.random.get_state(), torch.get_rng_state()
     try:
         yield

@@ -164,6 +164,7 @@ def convert_gguf(
 ) -> None:
     """De-quantize `gguf` with transformers' GGUF loader and save a plain fp32 checkpoint
     (model, tokenizer, chat template) into `out`."""
+    # deferred: torch and transformers take seconds to import; the CLI imports this module at start
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -229,6 +230,7 @@ def _require_models_extra(what: str) -> None:
 def _hub_snapshot(hub_id: str) -> Path | None:
     """The model's directory in the local Hugging Face cache, without touching the network."""
     try:
+        # deferred: huggingface_hub takes ~0.5 s to import; the CLI imports this module at start
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(hub_id, local_files_only=True))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentree.envs.base import env_class, validate_env_kwargs
 from agentree.models.store import Log, build_once, cache_root, content_key, to_stderr
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -93,6 +94,8 @@ def build_tiny_policy(
 
 def train_tokenizer(corpus: Sequence[str], cfg: TinyModelConfig, atomic: Sequence[str] = ()):
     """Byte-level BPE trained with Qwen2's normaliser and pre-tokenizer, as a Qwen2Tokenizer."""
+    # deferred: transformers takes seconds to import (tokenizers is kept with it); config,
+    # which the CLI imports at start, imports this module
     from tokenizers import (
         AddedToken,
         Regex,
@@ -147,6 +150,7 @@ def train_tokenizer(corpus: Sequence[str], cfg: TinyModelConfig, atomic: Sequenc
 
 
 def _random_model(tokenizer, cfg: TinyModelConfig):
+    # deferred: torch and transformers take seconds to import (see train_tokenizer)
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -172,8 +176,6 @@ def tiny_policy_for_env(
     env_name: str, env_kwargs: dict, cfg: TinyModelConfig, log: Log | None = to_stderr
 ) -> Path:
     """Build (or reuse) the tiny policy whose tokenizer is trained on `env_name`'s text."""
-    from agentree.envs.base import env_class, validate_env_kwargs
-
     cls = env_class(env_name)
     env = cls(**validate_env_kwargs(cls, env_kwargs))
     try:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from agentree.models.store import build_once, cache_root, content_key
 from agentree.models.tiny import TinyModelConfig, _random_model, train_tokenizer
 
@@ -60,9 +63,6 @@ def build_tiny_prm(
 
 
 def _write_prm(path: Path, texts: list[str], cfg: TinyModelConfig) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
-
     tokenizer = train_tokenizer(texts, cfg)
     tokenizer.bos_token = "<|im_start|>"
     tokenizer.save_pretrained(path)

@@ -37,9 +37,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentree.envs.frozenlake import distances_to_goal
+from agentree.envs.base import env_class, validate_env_kwargs
+from agentree.envs.countdown import solve
+from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal
+from agentree.envs.sokoban import SokobanEnv, solve_moves
+from agentree.models.pretrained import local_policy
 from agentree.models.store import build_once, cache_root, content_key
-from agentree.models.tiny import TinyModelConfig
+from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+from agentree.sft import SFTConfig, run_sft
 
 WARM_ENVS = ("frozenlake", "countdown", "sokoban")
 BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -160,8 +165,6 @@ def walker_success(
     With the default `expert_prob=0` this is the random-valid-move walker: the figure a
     learning curve on the same maps has to beat to show the policy learned to navigate.
     """
-    from agentree.envs.frozenlake import FrozenLakeEnv
-
     env = FrozenLakeEnv(**env_kwargs)
     rng = random.Random(seed)
     wins = sum(
@@ -174,10 +177,6 @@ def walker_success(
 def walker_baseline(cfg: Any) -> float | None:
     """The walker's success on an experiment's held-out tasks (None unless FrozenLake or
     Sokoban)."""
-    from agentree.envs.base import env_class
-    from agentree.envs.frozenlake import FrozenLakeEnv
-    from agentree.envs.sokoban import SokobanEnv
-
     env_name, env_kwargs = cfg.component("env")
     if env_class(env_name) is SokobanEnv:
         tasks = SokobanEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
@@ -202,6 +201,8 @@ def first_move_skill(
     probability it puts on shortest-path moves, which is what sampling at temperature 1 gets.
     Probabilities are over the four move tokens only; `prefix` goes before every prompt.
     """
+    # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
+    # this module
     import torch
 
     move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
@@ -225,8 +226,6 @@ def first_move_skill(
 # -- Countdown -----------------------------------------------------------------------------------
 def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng: random.Random):
     """The noisy solver's response: think block, then the answer in tags."""
-    from agentree.envs.countdown import solve
-
     expr = solve(nums, target) if rng.random() < expert_prob else None
     if expr is None:
         order = list(nums)
@@ -241,8 +240,6 @@ def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng
 def sokoban_move(room: dict[str, Any], expert_prob: float, rng: random.Random) -> str:
     """The noisy Sokoban expert: the first move of a shortest solution (`solve_moves`) with
     probability `expert_prob`, else a random move (`expert_prob=0` is the random walker)."""
-    from agentree.envs.sokoban import solve_moves
-
     if rng.random() < expert_prob:
         plan = solve_moves(room)
         if plan:
@@ -275,8 +272,6 @@ def sokoban_walker_success(
 ) -> float:
     """Success rate of the scripted Sokoban policy on `tasks`: with `expert_prob=0` the random
     walker, the figure a Sokoban learning curve on the same rooms has to beat."""
-    from agentree.envs.sokoban import SokobanEnv
-
     env = SokobanEnv(**env_kwargs)
     rng = random.Random(seed)
     wins = sum(
@@ -289,8 +284,6 @@ def sokoban_walker_success(
 # -- building ------------------------------------------------------------------------------------
 def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The validated env settings a warm build of `env_name` reads (`BUILD_SETTINGS`)."""
-    from agentree.envs.base import env_class, validate_env_kwargs
-
     kwargs = validate_env_kwargs(env_class(env_name), env_kwargs)
     keep = BUILD_SETTINGS.get(env_name)
     return kwargs if keep is None else {k: v for k, v in kwargs.items() if k in keep}
@@ -307,8 +300,6 @@ def demonstrations(
     env_name: str, env_kwargs: dict[str, Any], warm: WarmConfig
 ) -> list[list[dict[str, str]]]:
     """Chat conversations of the noisy expert on training tasks (seeds apart from RL's)."""
-    from agentree.envs.base import env_class
-
     cls = env_class(env_name)
     # a seed block of its own, so RL's training tasks (seed * 100003 + i) are not the demos
     tasks = cls.generate_tasks(warm.episodes, seed=7 + warm.seed, split="train")
@@ -338,11 +329,6 @@ def warm_policy_for_env(
 ) -> Path:
     """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
     the noisy expert."""
-    from agentree.envs.base import env_class
-    from agentree.models.pretrained import local_policy
-    from agentree.models.tiny import tiny_policy_for_env
-    from agentree.sft import SFTConfig, run_sft
-
     if env_name not in WARM_ENVS:
         raise ValueError(
             f"policy tiny-warm has a scripted expert for {', '.join(WARM_ENVS)} only, not "

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from pydantic import Field, field_validator
 
+from agentree.engines.hf import sample_next
 from agentree.envs.base import Task
 from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
 from agentree.rollout.tokentree import (
@@ -288,8 +289,6 @@ class _Search:
 
     def _sample(self, raw: torch.Tensor) -> dict[int, int]:
         """Ordinary stochastic sampling for the hybrid share and for trees past saturation."""
-        from agentree.engines.hf import sample_next
-
         idx = [i for i, b in enumerate(self.rows) if not b.in_tree or self.sampling[b.root]]
         if not idx:
             return {}

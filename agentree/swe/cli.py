@@ -12,7 +12,12 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from agentree.swe import expert, generate, images, local_suite, runtime
 
 
 def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
@@ -104,8 +109,6 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def build_local_command(args: argparse.Namespace) -> int:
-    from agentree.swe import images, runtime
-
     try:
         start = time.monotonic()
         if args.force_base:
@@ -123,12 +126,6 @@ def build_local_command(args: argparse.Namespace) -> int:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from agentree.swe import generate, local_suite, runtime
-
     if args.n < 1 or not 0.0 <= args.heldout < 1.0:
         print("error: --n must be at least 1 and --heldout in [0, 1)", file=sys.stderr)
         return 2
@@ -186,10 +183,6 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def warm_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from agentree.swe import expert
-
     try:
         records = [json.loads(x) for x in Path(args.tasks).read_text().splitlines() if x.strip()]
     except (OSError, json.JSONDecodeError) as e:
@@ -246,8 +239,6 @@ REAL_MODEL_WARM = {
 
 
 def cleanup_command(args: argparse.Namespace) -> int:
-    from agentree.swe import runtime
-
     try:
         report = runtime.cleanup(stale=True, everything=args.all, dry_run=args.dry_run)
     except runtime.DockerUnavailable as e:

@@ -27,19 +27,31 @@ larger than the default tiny one, and fine-tunes it with `agentree.sft.run_sft`.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import difflib
 import json
+import keyword
 import random
 import re
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentree.envs.swe import SENTINEL, SUBMIT_ACTION
-from agentree.models.tiny import TinyModelConfig
-from agentree.prompts import render
+from agentree.chat import ChatFormat
+from agentree.envs.swe import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_commands
+from agentree.models.pretrained import local_policy
+from agentree.models.store import build_once, cache_root, content_key
+from agentree.models.tiny import TinyModelConfig, build_tiny_policy
+from agentree.prompts import load, placeholders, render
+from agentree.sft import SFTConfig, example_from_messages, run_sft
+from agentree.swe.generate import fixed_files
+from agentree.swe.mutate import mutations
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
 GREP = 'grep -rnF --include=*.py --exclude-dir=tests "'
@@ -85,8 +97,6 @@ def template_pieces(min_chars: int = 12) -> list[str]:
     with a 1,024-entry BPE vocabulary) then cost a few positions, which is what makes fine-tuning
     on a few hundred trajectories affordable on two CPU cores.
     """
-    from agentree.prompts import load, placeholders
-
     mark = "\x00"
     out: list[str] = []
     for name in TEMPLATES:
@@ -184,8 +194,6 @@ def check_edit(command: str, buggy: str, fixed: str) -> bool:
         return "".join(lines) == fixed
     m = re.search(r"replace\((.*), 1\)\)\nEOF$", command, re.S)
     if m:
-        import ast
-
         old, new = ast.literal_eval(f"({m.group(1)})")
         return buggy.replace(old, new, 1) == fixed
     return False
@@ -197,8 +205,6 @@ def _source_file(record: dict[str, Any]) -> str:
 
 def _files(record: dict[str, Any]) -> tuple[str, str]:
     """(buggy, fixed) text of the mutated file of a generated record."""
-    from agentree.swe.generate import fixed_files
-
     slug = record["repo"].split("/", 1)[1]
     path = _source_file(record)
     fixed = fixed_files(slug)[path].decode()
@@ -209,9 +215,6 @@ def _files(record: dict[str, Any]) -> tuple[str, str]:
 
 def _reverse_apply(fixed: str, patch: str, path: str) -> str:
     """Undo the gold fix on the fixed text (git apply -R in a scratch directory)."""
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="agentree-expert-") as tmp:
         target = Path(tmp, path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -230,8 +233,6 @@ def _anchor(buggy: str, line: int) -> tuple[str, int]:
     constant's `NAME =`); the expert greps for it, so the file path and the line numbers it
     uses next are copied from the output of its own commands.
     """
-    import ast
-
     tree = ast.parse(buggy)
     best: tuple[str, int] | None = None
     for node in ast.walk(tree):
@@ -273,9 +274,6 @@ def _misses(
 ) -> list[str]:
     """`n` wrong one-line edits on lines of `window`: injected-bug mutations of the buggy file
     (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites."""
-    from agentree.envs.swe import parse_commands
-    from agentree.swe.mutate import mutations
-
     out = []
     for m in mutations(path, buggy):
         if m.source == fixed or m.line not in window or m.kind.startswith("drop"):
@@ -353,8 +351,6 @@ def _undo(path: str) -> str:
 
 def _grep(record: dict[str, Any], buggy: str, anchor: str) -> str:
     """What the expert's grep prints: matching lines of the repository's non-test sources."""
-    from agentree.swe.generate import fixed_files
-
     files = {p: b.decode() for p, b in fixed_files(record["repo"].split("/", 1)[1]).items()}
     files[_source_file(record)] = buggy
     out = []
@@ -391,12 +387,6 @@ def repo_names(repo: str) -> list[str]:
     otherwise rename `dict.get` too) and every word of the prompt templates and the expert's
     commands are kept, so the scaffold around the names stays what the policy sees in use.
     """
-    import ast
-    import builtins
-    import keyword
-
-    from agentree.swe.generate import fixed_files
-
     keep = set(keyword.kwlist) | set(dir(builtins))
     keep |= {n for t in (str, list, dict, set, tuple, int, float, bytes) for n in dir(t)}
     keep |= {"self", "cls"}
@@ -576,11 +566,6 @@ def warm_policy(
 ) -> Path:
     """Build (or reuse) the SWE policy fine-tuned on the expert's trajectories: the tiny one
     built from them, or `cfg.base` (a real model)."""
-    from agentree.envs.swe import SWEEnv
-    from agentree.models.store import build_once, cache_root, content_key
-    from agentree.models.tiny import build_tiny_policy
-    from agentree.sft import SFTConfig, run_sft
-
     cfg = cfg or WarmConfig()
     convs = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies)
     if not convs:
@@ -604,8 +589,6 @@ def warm_policy(
         base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base", log=log)
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
         run_sft(base, convs, tmp, sft, system=system, log=log)
-        import shutil
-
         shutil.rmtree(tmp / "base")
 
     return build_once(
@@ -626,12 +609,8 @@ def _warm_real_model(
 ) -> Path:
     """Fine-tune a pretrained model on the trajectories, saying beforehand how many tokens that
     is and about how long it takes on a CPU."""
+    # deferred: transformers takes seconds to import; the CLI imports this module at start
     from transformers import AutoTokenizer
-
-    from agentree.chat import ChatFormat
-    from agentree.models.pretrained import local_policy
-    from agentree.models.store import build_once
-    from agentree.sft import SFTConfig, example_from_messages, run_sft
 
     base = local_policy(cfg.base, log)
     chat = ChatFormat(AutoTokenizer.from_pretrained(base))
@@ -674,11 +653,11 @@ def _answers(
 ) -> Iterator[tuple[int, list[str], list[str]]]:
     """(turn, the policy's commands, the expert's) at every turn of the expert's conversation
     on each task, the expert's earlier actions and observations as the policy's context."""
+    # deferred: torch (and agentree.engines.hf, which imports it) take seconds to import; the
+    # CLI imports this module at start
     import torch
 
-    from agentree.chat import ChatFormat
     from agentree.engines.hf import load_policy
-    from agentree.envs.swe import SWEEnv, parse_commands
 
     model, tokenizer = load_policy(policy)
     chat = ChatFormat(tokenizer)

@@ -36,9 +36,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from agentree.swe import local_suite
+from agentree.prompts import render
+from agentree.swe import images, local_suite, runtime
+from agentree.swe.images import BASE_IMAGE
 from agentree.swe.instances import END, START
 from agentree.swe.mutate import Mutation, mutations
+from agentree.swe.sandbox import Sandbox, SandboxConfig
 
 ID_PREFIX = "agentree-gen__"
 TEST_CMD = "python3 -m pytest --no-header -rA --tb=short -p no:cacheprovider tests"
@@ -209,8 +212,6 @@ def eval_script(base_commit: str) -> str:
 
 
 def problem_statement(repo: str, failing: list[str], output: str) -> str:
-    from agentree.prompts import render
-
     lines = output.strip().splitlines()
     if len(lines) > OUTPUT_LINES:
         lines = [*lines[:OUTPUT_LINES], "..."]
@@ -255,6 +256,7 @@ def make_record(
 
 # -- validation ------------------------------------------------------------------------------
 def _statuses(output: str) -> dict[str, str]:
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.log_parsers.python import parse_log_pytest
 
     return parse_log_pytest(output, None)  # type: ignore[arg-type]
@@ -274,9 +276,6 @@ class Validator:
     """Runs one repository's tests on candidates, in one container of its local-suite image."""
 
     def __init__(self, slug: str) -> None:
-        from agentree.swe import images
-        from agentree.swe.sandbox import Sandbox, SandboxConfig
-
         rec = local_suite.record(slug)
         images.build_local(only=[slug])
         env = (("PYTHONDONTWRITEBYTECODE", "1"),)  # mutants of equal size must not reuse .pyc
@@ -409,9 +408,6 @@ def generate(
 
 def _image_bytes(names: list[str]) -> int:
     """Disk of the images, counting the base image they all share once."""
-    from agentree.swe import runtime
-    from agentree.swe.images import BASE_IMAGE
-
     api = runtime.client().api
     base = int(api.inspect_image(BASE_IMAGE).get("Size") or 0)
     own = sum(int(api.inspect_image(n).get("Size") or 0) - base for n in names)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentree.swe.instances import EVAL_R2E, SWEInstance, parse_log_r2e
-from agentree.swe.sandbox import OutputLost, Sandbox, SandboxConfig
+from agentree.swe.sandbox import OutputLost, Sandbox, SandboxConfig, SandboxError
 
 PATCH_PATH = "/tmp/agentree_model.patch"
 APPLY_CMDS = (
@@ -123,8 +123,6 @@ def _grade_once(
 
 
 def _prepare(sb: Sandbox, instance: SWEInstance) -> None:
-    from agentree.swe.sandbox import SandboxError
-
     if instance.prepare_script:
         r = sb.exec(instance.prepare_script, timeout=300)
         if r.returncode != 0:
@@ -156,12 +154,14 @@ def _eval_script(instance: SWEInstance) -> str:
 
 
 def _test_spec(instance: SWEInstance) -> Any:
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.utils import make_test_spec
 
     return make_test_spec(instance.to_record())
 
 
 def _judge_swebench(instance: SWEInstance, log: str) -> GradeResult:
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.constants import EvalType, ResolvedStatus
     from swebench.harness.grading import (
         get_eval_tests_report,
@@ -204,6 +204,7 @@ def _judge_swebench(instance: SWEInstance, log: str) -> GradeResult:
 
 
 def _judge_r2e(instance: SWEInstance, log: str) -> GradeResult:
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.constants import ResolvedStatus
 
     body = log.split(">>>>> Start Test Output", 1)[-1].split(">>>>> End Test Output", 1)[0]

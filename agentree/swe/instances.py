@@ -190,6 +190,7 @@ def from_swebench(r: dict[str, Any]) -> SWEInstance:
 
 def default_log_parser(repo: str) -> str:
     """swebench's parser for a known repository, else the plain pytest parser."""
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
 
     fn = MAP_REPO_TO_PARSER_PY.get(repo)
@@ -197,6 +198,7 @@ def default_log_parser(repo: str) -> str:
 
 
 def default_eval_type(repo: str) -> str:
+    # deferred: swebench is the optional [swe] extra
     from swebench.harness.constants import FAIL_ONLY_REPOS
 
     return "fail_only" if repo in FAIL_ONLY_REPOS else "pass_and_fail"

@@ -75,6 +75,7 @@ def client() -> Any:
         if _client is not None:
             return _client
         try:
+            # deferred: docker is the optional [swe] extra
             import docker
         except ImportError:
             raise DockerUnavailable(

@@ -97,6 +97,7 @@ def exec_stream(api: Any, exec_id: str) -> Any:
     gone while the exit status says success. Here the frames are read through that same
     buffered reader.
     """
+    # deferred: docker is the optional [swe] extra
     from docker.types import CancellableStream
 
     res = api._post_json(
