@@ -128,13 +128,14 @@ def build_serving_engine(
 
 
 def _vllm_engine(path: str, tokenizer: Any, seed: int, kwargs: dict[str, Any]) -> Engine:
-    try:
-        # deferred: agentree.engines.vllm imports torch and transformers (vllm itself is the
-        # optional [vllm] extra)
-        from agentree.engines.vllm import VLLMEngine
-    except ImportError as e:
+    # agentree.engines.vllm imports without vLLM (it loads vllm when an engine starts), so ask
+    # for the package itself: a missing one is named here, not deep inside the engine's start
+    if importlib.util.find_spec("vllm") is None:
         raise ValueError(
-            f"the vllm backend is unavailable ({e}); install agentree[vllm] or use the "
-            "transformers backend"
-        ) from None
+            "the vllm backend needs vLLM, which is not installed; install agentree[vllm] "
+            "(GPU; CPU builds: docs/vllm.md) or use engine.backend=transformers"
+        )
+    # deferred: agentree.engines.vllm imports torch and transformers
+    from agentree.engines.vllm import VLLMEngine
+
     return VLLMEngine(path, tokenizer, seed=seed, **kwargs)

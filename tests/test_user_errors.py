@@ -113,3 +113,19 @@ def test_prompt_longer_than_the_context_is_an_error(tmp_path, capsys, tiny_froze
         " tokens, more than engine.max_context=512 allows with engine.max_tokens=4; raise "
         "engine.max_context or shorten the task"
     )
+
+
+def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
+    """agentree.engines.vllm imports without vLLM, so the check asks for vllm itself."""
+    import importlib.util
+
+    from agentree.policy import _vllm_engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    with pytest.raises(
+        ValueError, match=r"needs vLLM, which is not installed; install agentree\[vllm\]"
+    ):
+        _vllm_engine("unused", None, 0, {})
