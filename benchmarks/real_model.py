@@ -3,6 +3,7 @@ throughput, and zero-shot held-out success and well-formed actions per env with 
 
     python benchmarks/real_model.py --out docs/results/real_model.json            # everything
     python benchmarks/real_model.py --only throughput zero-shot --envs frozenlake countdown
+    python benchmarks/real_model.py --only judge --out docs/results/real_model_judge.json
 
 Sections:
 - `convert`: `agentree models pull smollm2-135m` into an empty temp cache (download, sha256
@@ -12,6 +13,11 @@ Sections:
   forward+backward+AdamW step on 4 x 512 tokens (the update's cost without the rollout).
 - `zero-shot`: `agentree eval --config <env>_smollm2 --policy smollm2-135m` on held-out tasks;
   success (resolved) rate and the share of well-formed actions from the saved trees.
+- `judge` (needs Docker and the local SWE images, `agentree swe build-local`): the model as
+  PATR's LLM judge. `agentree serve --policy smollm2-135m` in a child process, then
+  `agentree rollout --config swebench_patr_smollm2 --scorer judge` against it on the local
+  suite; from the saved trees, the share of judge calls whose reply parsed as {"score": x}
+  against those that fell back to the heuristic (by error), and the parsed scores' spread.
 Say in the results whether other work shared the machine: every figure here is wall time.
 """
 
@@ -20,10 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 ZERO_SHOT = {
@@ -109,12 +118,81 @@ def zero_shot(policy: str, envs: list[str], out_dir: Path) -> dict[str, dict]:
     return results
 
 
+def judge(policy: str, tasks: str, timeout: float, out_dir: Path) -> dict:
+    from agentree.launch import free_port
+    from agentree.tree import Tree
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        ["agentree", "serve", "--policy", policy, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        t0 = time.perf_counter()
+        while True:  # the server loads (and on a first run converts) the model before it binds
+            if server.poll() is not None:
+                raise RuntimeError(f"agentree serve exited with {server.returncode}")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).read()
+                break
+            except OSError:
+                if time.perf_counter() - t0 > 600:
+                    raise TimeoutError("agentree serve did not answer within 600 s") from None
+                time.sleep(1)
+        run = out_dir / "judge"
+        cmd = ["agentree", "rollout", "--config", "swebench_patr_smollm2", "--policy", policy]
+        cmd += ["--tasks", tasks, "--scorer", "judge", "--output", str(run)]
+        for key, value in {"base_url": f"{url}/v1", "model": policy, "timeout": timeout}.items():
+            cmd += ["--set", f"scorer.{key}={value}"]
+        t1 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        wall = time.perf_counter() - t1
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    infos = [
+        n.info["scorer"]
+        for f in sorted((run / "trees").glob("*.json"))
+        for n in Tree.load(f).nodes
+        if "scorer" in n.info
+    ]
+    parsed = [i["judge"] for i in infos if "judge" in i]
+    errors = Counter(str(i["judge_error"]).split(":")[0] for i in infos if "judge_error" in i)
+    result = {
+        "tasks": tasks,
+        "scored_branches": len(infos),
+        "parsed": len(parsed),
+        "fell_back": sum(errors.values()),
+        "fallback_errors": dict(errors),
+        "phases": dict(Counter(i["phase"] for i in infos)),
+        "judge_score_histogram": dict(sorted(Counter(round(x, 1) for x in parsed).items())),
+        "judge_score_mean": round(statistics.fmean(parsed), 3) if parsed else None,
+        "judge_score_stdev": round(statistics.pstdev(parsed), 3) if parsed else None,
+        "latency_s_median": round(statistics.median(i["latency_s"] for i in infos), 2)
+        if infos
+        else None,
+        "rollout_wall_s": round(wall, 1),
+        "reply_examples": list(dict.fromkeys(str(i["reply"])[:160] for i in infos))[:4],
+    }
+    print("judge", json.dumps(result), flush=True)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--policy", default="smollm2-135m")
-    p.add_argument("--only", nargs="+", default=["convert", "throughput", "zero-shot"])
+    sections = ["convert", "throughput", "zero-shot", "judge"]
+    p.add_argument("--only", nargs="+", default=sections, choices=sections)
     p.add_argument("--envs", nargs="+", default=list(ZERO_SHOT), choices=list(ZERO_SHOT))
     p.add_argument("--threads", type=int, default=2, help="torch threads for throughput")
+    p.add_argument("--judge-tasks", default="local", help="SWE tasks the judge run rolls out")
+    p.add_argument(
+        "--judge-timeout",
+        type=float,
+        default=120.0,
+        help="seconds per judge request (a CPU server answers 8 at once slower than a GPU)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/real_model.json"))
     args = p.parse_args()
     report: dict = {"policy": args.policy, "load_at_start": os.getloadavg()[0]}
@@ -129,6 +207,9 @@ def main() -> None:
     if "zero-shot" in args.only:
         with tempfile.TemporaryDirectory(prefix="agentree-zero-shot-") as tmp:
             report["zero_shot"] = zero_shot(args.policy, args.envs, Path(tmp))
+    if "judge" in args.only:
+        with tempfile.TemporaryDirectory(prefix="agentree-judge-") as tmp:
+            report["judge"] = judge(args.policy, args.judge_tasks, args.judge_timeout, Path(tmp))
     report["load_at_end"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
