@@ -78,5 +78,16 @@ def merged_state_dict(state: Mapping[str, Any], scaling: float) -> dict[str, Any
     return out
 
 
+def plain_state_dict(model: Any) -> dict[str, Any]:
+    """The weights a model without adapters loads: a peft model's merged (base + (alpha / r)
+    * B A, under the Hugging Face names), any other model's own state dict."""
+    state = model.state_dict()
+    adapters = getattr(model, "peft_config", None)
+    if not adapters:
+        return dict(state)
+    (lc,) = adapters.values()  # add_lora makes one adapter
+    return merged_state_dict(state, lc.lora_alpha / lc.r)
+
+
 def lora_scaling(lc: LoraSettings) -> float:
     return lc.alpha / lc.r

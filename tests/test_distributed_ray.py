@@ -572,6 +572,47 @@ def test_async_training_on_ray_is_one_step_stale(rt, tmp_path):
     assert ray.get(rt.rollouts.replicas[0].checksum.remote()) == pytest.approx(want, rel=1e-9)
 
 
+def test_lora_training_on_ray_sends_merged_weights_to_the_replica(
+    cluster, tmp_path, tiny_frozenlake
+):
+    """With LoRA the driver's engine runs the adapters in place, but a replica holds a model
+    without adapters: each sync sends base + (alpha / r) * B A under the plain weight names."""
+    from agentree.lora import lora_scaling, merged_state_dict
+    from agentree.trainer import Trainer
+
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.rollout_workers=1",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+        "train.lora.r=4",
+        "train.steps=1",
+    ]
+    cfg = load_config("frozenlake_patr", overrides=overrides)
+    tr = Trainer(cfg, tmp_path, log=lambda _m: None)
+    try:
+        with torch.no_grad():  # fresh adapters have B = 0: make a change the sync must carry
+            for name, p in tr.learner.model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01)
+        tr.train_step()
+        merged = merged_state_dict(
+            tr.learner.engine_adapter.state_dict(), lora_scaling(cfg.train.lora)
+        )
+        want = sum(float(v.double().sum()) for v in merged.values())
+        got = ray.get(tr.rt.rollouts.replicas[0].checksum.remote())
+        assert got == pytest.approx(want, rel=1e-9)
+        # and the merge changed something: the replica does not hold the bare base weights
+        bare = merged_state_dict(
+            {k: v for k, v in tr.learner.engine_adapter.state_dict().items() if "lora_" not in k},
+            1.0,
+        )
+        assert got != pytest.approx(sum(float(v.double().sum()) for v in bare.values()), rel=1e-9)
+    finally:
+        tr.rt.close()
+
+
 def test_async_training_in_process_overlaps_on_a_snapshot_engine(tmp_path, tiny_frozenlake):
     from agentree.rollouts import ThreadRollout
     from agentree.trainer import Trainer

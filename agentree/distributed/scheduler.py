@@ -36,6 +36,7 @@ from agentree.distributed.cluster import (
     total,
 )
 from agentree.envs.base import Task
+from agentree.lora import plain_state_dict
 from agentree.rollout.base import Controller, RolloutStats
 from agentree.rollouts import RolloutParts, check_not_empty
 from agentree.tree import EndReason, Tree
@@ -470,7 +471,9 @@ def lost_trees(tasks: Sequence[Task], worker: int, why: str) -> list[Tree]:
 
 
 def state_dict(model: Any) -> dict[str, Any]:
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    """What replicas and worker engines load: plain weights, with LoRA adapters merged (the
+    driver's engine may run them in place; the others hold a model without adapters)."""
+    return {k: v.detach().cpu() for k, v in plain_state_dict(model).items()}
 
 
 def _nominal_width(cfg: ExperimentConfig) -> int:
