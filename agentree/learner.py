@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentree.config import ExperimentConfig, TrainConfig
-from agentree.lora import ADAPTER_DIR, add_lora, lora_scaling, merged_state_dict
+from agentree.lora import ADAPTER_DIR, add_lora, plain_state_dict
 from agentree.sharding import (
     ShardedUpdate,
     broadcast_object,
@@ -203,10 +203,7 @@ class ShardedLearner(Learner):
         self.engine_adapter.load_state_dict(state, strict=False)
         if type(self.rt.engine).__name__ == "HFEngine":
             return self.rt.model  # the engine's own module, adapters in place
-        merged = merged_state_dict(
-            self.engine_adapter.state_dict(), lora_scaling(self.cfg.train.lora)
-        )
-        return _Weights(merged)
+        return _Weights(plain_state_dict(self.engine_adapter))
 
     def save(self, tmp: Path) -> None:
         if self._stale:  # rank 0 exports the weights its engine model holds

@@ -87,7 +87,3 @@ def plain_state_dict(model: Any) -> dict[str, Any]:
         return dict(state)
     (lc,) = adapters.values()  # add_lora makes one adapter
     return merged_state_dict(state, lc.lora_alpha / lc.r)
-
-
-def lora_scaling(lc: LoraSettings) -> float:
-    return lc.alpha / lc.r

@@ -577,7 +577,7 @@ def test_lora_training_on_ray_sends_merged_weights_to_the_replica(
 ):
     """With LoRA the driver's engine runs the adapters in place, but a replica holds a model
     without adapters: each sync sends base + (alpha / r) * B A under the plain weight names."""
-    from agentree.lora import lora_scaling, merged_state_dict
+    from agentree.lora import merged_state_dict
     from agentree.trainer import Trainer
 
     overrides = [
@@ -597,9 +597,8 @@ def test_lora_training_on_ray_sends_merged_weights_to_the_replica(
                 if "lora_B" in name:
                     p.add_(0.01)
         tr.train_step()
-        merged = merged_state_dict(
-            tr.learner.engine_adapter.state_dict(), lora_scaling(cfg.train.lora)
-        )
+        lc = cfg.train.lora
+        merged = merged_state_dict(tr.learner.engine_adapter.state_dict(), lc.alpha / lc.r)
         want = sum(float(v.double().sum()) for v in merged.values())
         got = ray.get(tr.rt.rollouts.replicas[0].checksum.remote())
         assert got == pytest.approx(want, rel=1e-9)
