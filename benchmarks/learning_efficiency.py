@@ -36,7 +36,8 @@ Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 (tokens for Countdown) at which the seed-mean held-out curve first reaches flat GRPO's final
 mean, or null, "pass_at_4", "env_steps_per_step", "forks", "wall_s", "seeds"}},
 "paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
-and wins/ties/losses}}, the PNG curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
+and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method}}, the PNG
+curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
 with the per-seed curves and the walker's figure.
 """
 
@@ -278,6 +279,13 @@ def summarise(
             for m, cs in curves.items()
             if m != "grpo"
         }
+    if "patr" in curves:  # the method this project proposes, against each of the others
+        patr = [c["success"][-1] for c in curves["patr"]]
+        summary["paired_patr_vs"] = {
+            m: paired(patr, [c["success"][-1] for c in cs])
+            for m, cs in curves.items()
+            if m != "patr"
+        }
     details = {
         "seeds": seeds,
         "grpo_final": target,
@@ -373,7 +381,8 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"{case} has no method {sorted(unknown)}; choose from {known}")
         t0 = time.perf_counter()
-        runs = [(m, s) for m in methods for s in args.seeds]
+        # seed by seed: an interrupted benchmark leaves whole seeds, paired across methods
+        runs = [(m, s) for s in args.seeds for m in methods]
         with ThreadPoolExecutor(args.jobs) as pool:
             for done in [pool.submit(run_one, case, m, s, out, args) for m, s in runs]:
                 done.result()

@@ -200,14 +200,27 @@ class PRMScorer(Scorer):
         # imports this module
         import torch
 
-        out: list[list[float]] = [[] for _ in inputs]
         if self.v_head is None:  # vLLM: it batches and schedules the inputs itself
+            out: list[list[float]] = [[] for _ in inputs]
             rows = [i for i in range(len(inputs)) if inputs[i][1]]
             probs = self.model.token_probs([inputs[i][0] for i in rows])
             for i, p in zip(rows, probs, strict=True):
                 out[i] = [float(p[k]) for k in inputs[i][1]]
             return out
+        with torch.no_grad():
+            return [
+                torch.sigmoid(self.v_head(h).squeeze(-1)).cpu().tolist()
+                for h in self.step_features(inputs)
+            ]
+
+    def step_features(self, inputs: Sequence[tuple[list[int], list[int]]]) -> list[Any]:
+        """The base model's last hidden state (fp32, [flags, hidden]) at the flagged positions
+        of each input, batched by length: what the value head reads (transformers backend)."""
+        # deferred: torch takes seconds to import (see step_rewards)
+        import torch
+
         device = self.v_head.weight.device
+        out: list[Any] = [torch.zeros(0, self.v_head.in_features, device=device) for _ in inputs]
         for rows in self._batches([i for i in range(len(inputs)) if inputs[i][1]], inputs):
             width = max(len(inputs[i][0]) for i in rows)
             ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -219,11 +232,9 @@ class PRMScorer(Scorer):
             with torch.no_grad():
                 hidden = self.model(
                     input_ids=ids.to(device), attention_mask=mask.to(device)
-                ).last_hidden_state
-                values = self.v_head(hidden.float()).squeeze(-1)
-                probs = torch.sigmoid(values).cpu()
+                ).last_hidden_state.float()
             for r, i in enumerate(rows):
-                out[i] = [float(probs[r, p]) for p in inputs[i][1]]
+                out[i] = hidden[r, inputs[i][1]]
         return out
 
     def _batches(self, rows: list[int], inputs: Sequence[tuple[list[int], list[int]]]):

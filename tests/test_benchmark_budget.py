@@ -89,3 +89,5 @@ def test_summary_reports_actual_env_steps_and_reach(bench, tmp_path, monkeypatch
     assert patr["env_steps_to_grpo_final"] == 30 and grpo["env_steps_to_grpo_final"] == 80
     assert patr["forks"] == 6 and patr["wall_s"] == 4 and patr["pass_at_4"] == 0.75
     assert s["paired_vs_grpo"]["patr"]["diffs"] == pytest.approx([0.1, -0.1])
+    assert s["paired_patr_vs"]["grpo"]["diffs"] == pytest.approx([0.1, -0.1])  # PATR - GRPO
+    assert set(s["paired_patr_vs"]) == {"grpo"}

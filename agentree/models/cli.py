@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import yaml
+
 from agentree.models.pretrained import PRETRAINED, cached_path, find_pretrained, pull
+from agentree.models.prm_build import LABEL_SCORERS, PRMBuildConfig, build_prm
 from agentree.models.store import cache_root, cached_builds
 
 BUILT_LOCALLY = {
@@ -24,6 +27,20 @@ def add_models_command(sub: Any) -> None:
     q = msub.add_parser("pull", help="fetch and convert a named checkpoint ahead of time")
     q.add_argument("name", help=f"one of: {', '.join(PRETRAINED)} (or its hub id)")
     q.set_defaults(func=cmd_models_pull)
+    q = msub.add_parser(
+        "prm",
+        help="a process reward model on a policy's backbone, its value head fitted to an env's "
+        "exact step labels (for --scorer prm --set scorer.model=DIR)",
+    )
+    q.add_argument("--base", required=True, help="a --policy value: DIR, smollm2-135m, ...")
+    q.add_argument("--env", required=True, choices=sorted(LABEL_SCORERS), help="label source")
+    q.add_argument("--out", required=True, help="new directory for the checkpoint")
+    q.add_argument("--episodes", type=int, help="scripted episodes (default 240)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="env setting, e.g. size=6"
+    )
+    q.set_defaults(func=cmd_models_prm)
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
@@ -51,4 +68,19 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
             "(tiny and tiny-warm are built on first use, not pulled)"
         )
     print(f"{spec.name}: {pull(spec)}")
+    return 0
+
+
+def cmd_models_prm(args: argparse.Namespace) -> int:
+    env_kwargs = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE (an env setting)")
+        env_kwargs[key] = yaml.safe_load(value)
+    cfg = PRMBuildConfig(seed=args.seed)
+    if args.episodes is not None:
+        cfg.episodes = args.episodes
+    out = build_prm(args.base, args.env, args.out, env_kwargs=env_kwargs, cfg=cfg)
+    print(f"PRM checkpoint: {out} (use: --scorer prm --set scorer.model={out})")
     return 0
