@@ -46,9 +46,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,12 +167,47 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         *args.set,
     ]:
         cmd += ["--set", item]
-    print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
     env = dict(os.environ)
     if args.jobs > 1:  # parallel runs share the cores: one thread each instead of oversubscribing
         env["OMP_NUM_THREADS"] = "1"
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    with _LIVE_LOCK:  # started under the lock, so a stopping benchmark starts no new run
+        if _STOPPING.is_set():
+            raise RuntimeError("the benchmark is stopping")
+        print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+        _LIVE.add(proc)
+    with proc:
+        try:
+            rc = proc.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, cmd)
     return run
+
+
+# The runs in flight. A benchmark stopped by Ctrl-C or SIGTERM stops them and waits for them to
+# exit, so that a resumed benchmark never restarts a run whose old process still writes to it.
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def stop_runs(signum: int, _frame: Any) -> None:
+    with _LIVE_LOCK:
+        _STOPPING.set()
+        live = list(_LIVE)
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    for proc in live:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(f"stopped {len(live)} run(s); run the same command again to resume", flush=True)
+    os._exit(128 + signum)
 
 
 def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
@@ -372,6 +409,8 @@ def main() -> None:
         "--jobs", type=int, default=1, help="runs at once (each then uses one torch thread)"
     )
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, stop_runs)
+    signal.signal(signal.SIGINT, stop_runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for case in CASES if args.case == "all" else [args.case]:
