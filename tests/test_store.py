@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import interruptible
 
 from agentree.models.store import build_once, cached_builds
 
@@ -43,6 +44,7 @@ def _start(target: Path, seconds: float, cache: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,  # Ctrl-C reaches it even when the suite runs in the background
     )
 
 
