@@ -135,7 +135,7 @@ LAYERS = [
         "commands",
         [
             "agentree.cli", "agentree.__main__", "agentree.serve", "agentree.plot",
-            "agentree.export", "agentree.viewer", "agentree.swe.cli",
+            "agentree.export", "agentree.viewer", "agentree.swe.cli", "agentree.models.cli",
         ],
     ),
 ]  # fmt: skip

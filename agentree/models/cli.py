@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import yaml
-
+from agentree.config import parse_override
 from agentree.models.pretrained import PRETRAINED, cached_path, find_pretrained, pull
 from agentree.models.prm_build import LABEL_SCORERS, PRMBuildConfig, build_prm
 from agentree.models.store import cache_root, cached_builds
@@ -74,13 +73,11 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 def cmd_models_prm(args: argparse.Namespace) -> int:
     env_kwargs = {}
     for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE (an env setting)")
-        env_kwargs[key] = yaml.safe_load(value)
-    cfg = PRMBuildConfig(seed=args.seed)
-    if args.episodes is not None:
-        cfg.episodes = args.episodes
-    out = build_prm(args.base, args.env, args.out, env_kwargs=env_kwargs, cfg=cfg)
+        keys, value = parse_override(item)
+        env_kwargs[".".join(keys)] = value
+    settings = {"seed": args.seed} | ({} if args.episodes is None else {"episodes": args.episodes})
+    out = build_prm(
+        args.base, args.env, args.out, env_kwargs=env_kwargs, cfg=PRMBuildConfig(**settings)
+    )
     print(f"PRM checkpoint: {out} (use: --scorer prm --set scorer.model={out})")
     return 0

@@ -28,8 +28,8 @@ beforehand (`agentree sft`) and passed as `--base DIR`.
 from __future__ import annotations
 
 import json
+import math
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +41,7 @@ from agentree.envs.base import Task, env_class
 from agentree.models.pretrained import local_policy
 from agentree.models.store import build_once
 from agentree.scorers.base import make_scorer
-from agentree.tree import Node
+from agentree.tree import Node, Tree
 
 LABEL_SCORERS = {"frozenlake": "bfs", "sokoban": "sokoban"}
 """The exact process scorer that labels each env's steps."""
@@ -112,6 +112,7 @@ def _build(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentree.models.tiny_prm import write_value_head
     from agentree.scorers.prm import PRMConfig, PRMScorer
 
     t0 = time.perf_counter()
@@ -196,7 +197,7 @@ def scripted_episodes(
     """(task, root-to-leaf nodes) of `cfg.episodes` scripted episodes on training tasks, with
     the env's `info` on every node as a rollout stores it (what the label scorer reads)."""
     # deferred: agentree.models.warm imports torch through agentree.models.tiny (seconds)
-    from agentree.models.warm import scripted_move, sokoban_move
+    from agentree.models.warm import expert_steps
 
     cls = env_class(env_name)
     tasks = cls.generate_tasks(cfg.episodes, seed=11 + cfg.seed, split="train")
@@ -206,31 +207,20 @@ def scripted_episodes(
     try:
         for i, task in enumerate(tasks):
             p = cfg.expert_probs[i % len(cfg.expert_probs)]
-            obs, info = env.reset(seed=task.seed, options=task.options)
-            nodes = [Node(id=0, parent=None, turn=0, observation=obs, info={"env": info})]
-            done = False
-            while not done:
-                if env_name == "frozenlake":
-                    move = scripted_move(info["desc"], tuple(info["pos"]), p, rng)
-                else:
-                    move = sokoban_move(info["room"], p, rng)
-                action = f"```{move}```"
-                obs, reward, terminated, truncated, info = env.step(action)
-                nodes.append(
-                    Node(
-                        id=len(nodes),
-                        parent=len(nodes) - 1,
-                        turn=len(nodes),
-                        action=action,
-                        observation=obs,
-                        reward=float(reward),
-                        terminated=terminated,
-                        truncated=truncated,
-                        info={"env": info},
-                    )
+            (obs, info), steps = expert_steps(env, task, p, rng)
+            tree = Tree(task.id, task.to_dict())
+            node = tree.add_root(obs, [], {"env": info})
+            for action, obs, reward, terminated, truncated, info in steps:
+                node = tree.add_child(
+                    node.id,
+                    action=action,
+                    observation=obs,
+                    reward=reward,
+                    terminated=terminated,
+                    truncated=truncated,
+                    info={"env": info},
                 )
-                done = terminated or truncated
-            out.append((task, nodes))
+            out.append((task, tree.path(node.id)))
     finally:
         env.close()
     return out
@@ -300,6 +290,7 @@ def fit_metrics(pred: Any, y: Any, y_fit: Any) -> dict[str, float]:
     mse = float(((pred - y) ** 2).mean())
     mse_constant = float(((y_fit.mean() - y) ** 2).mean())
     pearson = float(torch.corrcoef(torch.stack([pred, y]))[0, 1]) if len(y) > 1 else 0.0
+    pearson = 0.0 if math.isnan(pearson) else pearson  # a constant prediction
     dy = y[:, None] - y[None, :]
     dp = pred[:, None] - pred[None, :]
     pairs = dy > 1e-6
@@ -308,33 +299,6 @@ def fit_metrics(pred: Any, y: Any, y_fit: Any) -> dict[str, float]:
     return {
         "mse": round(mse, 6),
         "mse_constant": round(mse_constant, 6),
-        "pearson": round(pearson if pearson == pearson else 0.0, 4),  # NaN when constant
+        "pearson": round(pearson, 4),
         "pair_accuracy": round(pair_accuracy, 4),
     }
-
-
-def write_value_head(path: Path, weight: Any, bias: Any) -> None:
-    """Store `v_head.summary.{weight,bias}` beside the LM's weights, as Skywork's checkpoints
-    do: inside `model.safetensors`, or in a file of its own listed in a sharded index."""
-    # deferred: torch and safetensors.torch import torch (seconds)
-    from safetensors.torch import load_file, save_file
-
-    from agentree.scorers.prm import V_HEAD_KEYS
-
-    head = {
-        V_HEAD_KEYS[0]: weight.detach().float().reshape(1, -1).contiguous(),
-        V_HEAD_KEYS[1]: bias.detach().float().reshape(1).contiguous(),
-    }
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        save_file(head, path / "v_head.safetensors", metadata={"format": "pt"})
-        data = json.loads(index.read_text())
-        data["weight_map"].update({k: "v_head.safetensors" for k in head})
-        index.write_text(json.dumps(data, indent=2))
-        return
-    single = path / "model.safetensors"
-    weights = load_file(single)
-    weights.update(head)
-    tmp = single.with_suffix(".tmp")
-    save_file(weights, tmp, metadata={"format": "pt"})
-    shutil.move(tmp, single)

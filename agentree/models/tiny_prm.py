@@ -7,11 +7,13 @@ safetensors file under `v_head.summary.weight` [1, hidden] and `v_head.summary.b
 Qwen2 tokenizer whose BOS is `<|im_start|>`, EOS `<|im_end|>` and pad `<|endoftext|>` (as in
 Skywork's `special_tokens_map.json`). Weights are random: the scores mean nothing, the maths and
 the plumbing are real. Nothing is downloaded; builds are cached by content hash.
+`write_value_head` stores a value head in that layout (`agentree models prm` uses it too).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -79,7 +81,26 @@ def _write_prm(path: Path, texts: list[str], cfg: TinyModelConfig) -> None:
         head = torch.nn.Linear(cfg.hidden_size, 1)
         torch.nn.init.normal_(head.weight, std=0.5)
         torch.nn.init.normal_(head.bias, std=0.1)
-    weights = load_file(path / "model.safetensors")
-    weights["v_head.summary.weight"] = head.weight.detach().clone().contiguous()
-    weights["v_head.summary.bias"] = head.bias.detach().clone().contiguous()
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    write_value_head(path, head.weight.detach(), head.bias.detach())
+
+
+def write_value_head(path: Path, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """Store `v_head.summary.{weight,bias}` beside the LM's weights, as Skywork's checkpoints
+    do: inside `model.safetensors`, or in a file of its own listed in a sharded index."""
+    head = {
+        "v_head.summary.weight": weight.detach().float().reshape(1, -1).contiguous(),
+        "v_head.summary.bias": bias.detach().float().reshape(1).contiguous(),
+    }
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        save_file(head, path / "v_head.safetensors", metadata={"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "v_head.safetensors" for k in head})
+        index.write_text(json.dumps(data, indent=2))
+        return
+    single = path / "model.safetensors"
+    weights = load_file(single)
+    weights.update(head)
+    tmp = single.with_suffix(".tmp")
+    save_file(weights, tmp, metadata={"format": "pt"})
+    shutil.move(tmp, single)

@@ -136,22 +136,6 @@ def scripted_move(
     return rng.choice(moves)
 
 
-def frozenlake_episode(
-    env: Any, task: Any, expert_prob: float, rng: random.Random
-) -> tuple[list[dict[str, str]], bool]:
-    """(chat messages, success) of one scripted episode on `env` (a FrozenLakeEnv)."""
-    obs, info = env.reset(seed=task.seed, options=task.options)
-    messages = [{"role": "user", "content": obs}]
-    done = False
-    while not done:
-        move = scripted_move(info["desc"], tuple(info["pos"]), expert_prob, rng)
-        action = f"```{move}```"
-        obs, _, terminated, truncated, info = env.step(action)
-        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
-        done = terminated or truncated
-    return messages[:-1], bool(info["success"])
-
-
 def walker_success(
     env_kwargs: dict[str, Any],
     tasks: Sequence[Any],
@@ -168,7 +152,7 @@ def walker_success(
     env = FrozenLakeEnv(**env_kwargs)
     rng = random.Random(seed)
     wins = sum(
-        frozenlake_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
+        expert_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
     )
     env.close()
     return wins / max(len(tasks) * samples, 1)
@@ -247,19 +231,35 @@ def sokoban_move(room: dict[str, Any], expert_prob: float, rng: random.Random) -
     return rng.choice(MOVES)
 
 
-def sokoban_episode(
+def expert_steps(
+    env: Any, task: Any, expert_prob: float, rng: random.Random
+) -> tuple[tuple[str, dict[str, Any]], list[tuple[str, str, float, bool, bool, dict[str, Any]]]]:
+    """One episode of the noisy expert on `env` (a FrozenLakeEnv or a SokobanEnv): the first
+    observation and info, then (action, observation, reward, terminated, truncated, info) for
+    every step."""
+    obs, info = env.reset(seed=task.seed, options=task.options)
+    first, steps, done = (obs, info), [], False
+    while not done:
+        if isinstance(env, SokobanEnv):
+            move = sokoban_move(info["room"], expert_prob, rng)
+        else:
+            move = scripted_move(info["desc"], tuple(info["pos"]), expert_prob, rng)
+        action = f"```{move}```"
+        obs, reward, terminated, truncated, info = env.step(action)
+        steps.append((action, obs, float(reward), terminated, truncated, info))
+        done = terminated or truncated
+    return first, steps
+
+
+def expert_episode(
     env: Any, task: Any, expert_prob: float, rng: random.Random
 ) -> tuple[list[dict[str, str]], bool]:
-    """(chat messages, success) of one scripted episode on `env` (a SokobanEnv)."""
-    obs, info = env.reset(seed=task.seed, options=task.options)
+    """(chat messages, success) of one episode of the noisy expert (`expert_steps`)."""
+    (obs, _), steps = expert_steps(env, task, expert_prob, rng)
     messages = [{"role": "user", "content": obs}]
-    done = False
-    while not done:
-        action = f"```{sokoban_move(info['room'], expert_prob, rng)}```"
-        obs, _, terminated, truncated, info = env.step(action)
+    for action, obs, *_ in steps:
         messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
-        done = terminated or truncated
-    return messages[:-1], bool(info["success"])
+    return messages[:-1], bool(steps[-1][-1]["success"])
 
 
 def sokoban_walker_success(
@@ -275,7 +275,7 @@ def sokoban_walker_success(
     env = SokobanEnv(**env_kwargs)
     rng = random.Random(seed)
     wins = sum(
-        sokoban_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
+        expert_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
     )
     env.close()
     return wins / max(len(tasks) * samples, 1)
@@ -306,10 +306,8 @@ def demonstrations(
     rng = random.Random(warm.seed)
     env = cls(**env_kwargs)
     try:
-        if env_name == "frozenlake":
-            return [frozenlake_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
-        if env_name == "sokoban":
-            return [sokoban_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
+        if env_name in ("frozenlake", "sokoban"):
+            return [expert_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
         out = []
         for t in tasks:
             obs, info = env.reset(seed=t.seed, options=t.options)
