@@ -421,6 +421,12 @@ def add_sft_command(sub: Any) -> None:
     p.add_argument("--epochs", type=int, default=1, help="passes over the data")
     p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate")
     p.add_argument("--batch-size", type=int, default=8, help="examples per optimiser step")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=0,
+        help="examples forwarded together (gradients accumulated; 0: the whole batch)",
+    )
     p.add_argument("--max-length", type=int, default=4096, help="tokens per example at most")
     p.add_argument("--seed", type=int, default=0, help="example order seed")
     p.add_argument(
@@ -450,6 +456,7 @@ def cmd_sft(args: Any) -> int:
         epochs=args.epochs,
         lr=args.lr,
         batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
         max_length=args.max_length,
         seed=args.seed,
         dtype=cfg.policy.dtype,

@@ -40,14 +40,9 @@ from typing import Any
 
 import torch
 
-from agentree.batching import (
-    Batch,
-    chunked_logprobs,
-    make_batch,
-    padded_micro_batches,
-    token_logprobs,
-)
+from agentree.batching import Batch, make_batch, padded_micro_batches, token_logprobs
 from agentree.loss import Aggregation
+from agentree.output_layer import chunked_logprobs
 
 ATTN_PER_WIDTH = 3.0
 """kappa / hidden_size, where kappa is the row length at which a dense-masked row's attention

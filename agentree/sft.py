@@ -48,6 +48,12 @@ class SFTConfig(BaseModel):
     """AdamW weight decay."""
     batch_size: int = Field(8, ge=1)
     """Examples per optimiser step."""
+    micro_batch_size: int = Field(0, ge=0)
+    """Examples forwarded together: a step's gradient is accumulated over its micro-batches,
+    each weighted by its share of the batch's target tokens, so it is the whole batch's. 0: the
+    whole batch at once. 1 pads nothing and holds one example's activations at a time, what a
+    real model on long agent trajectories wants on a CPU (SmolLM2 on 4 SWE trajectories of
+    2,048 tokens held 16 GB at once)."""
     max_length: int = Field(4096, ge=2)
     """Longer examples are cut to their first `max_length` tokens."""
     grad_clip: float = Field(1.0, gt=0.0)
@@ -269,19 +275,18 @@ def run_sft(
             batch = [data[i] for i in order[s : s + cfg.batch_size]]
             for g in opt.param_groups:
                 g["lr"] = sft_lr(cfg.lr, step, steps)
-            loss, n = sft_loss(model, batch, pad, dev)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, n = _accumulate(model, batch, cfg.micro_batch_size or len(batch), pad, dev)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
-            total += float(loss.detach()) * n
+            total += loss * n
             count += n
             step += 1
             now = time.perf_counter()
             if now - last_note >= 30 or step == 1:  # a real model runs seconds per step
                 per = (now - t_loop) / step
                 log(
-                    f"sft step {step}/{steps}: loss {float(loss.detach()):.4f}, {per:.1f}s/step, "
+                    f"sft step {step}/{steps}: loss {loss:.4f}, {per:.1f}s/step, "
                     f"about {per * (steps - step) / 60:.1f} min left"
                 )
                 last_note = now
@@ -307,27 +312,54 @@ def run_sft(
     return summary
 
 
+def _accumulate(
+    model: Any, batch: Sequence[SFTExample], size: int, pad: int, device: Any
+) -> tuple[float, int]:
+    """Backward the batch's mean target-token loss in micro-batches of `size` examples; returns
+    (that loss, the batch's target tokens). One micro-batch is exactly `sft_loss`'s gradient."""
+    counts = [sum(e.loss_mask[1:]) for e in batch]  # the targets sft_loss counts
+    n = sum(counts)
+    total = 0.0
+    for s in range(0, len(batch), size):
+        loss, k = sft_loss(model, batch[s : s + size], pad, device)
+        (loss if k == n else loss * (k / max(n, 1))).backward()
+        total += float(loss.detach()) * k
+    return total / max(n, 1), n
+
+
+SFT_LOGITS_CHUNK = 1024
+"""Target positions per slice of the output layer in `sft_loss`."""
+
+
 def sft_loss(model: Any, batch: Sequence[SFTExample], pad: int, device: Any) -> tuple[Any, int]:
-    """(mean cross-entropy over the batch's masked target tokens, number of those tokens)."""
+    """(mean cross-entropy over the batch's masked target tokens, number of those tokens).
+
+    Logits are computed only at positions that predict a target token, a slice at a time
+    (`output_layer.chunked_logprobs`): an agent's trajectory is mostly tool output, which has
+    none, and a full [tokens x vocab] fp32 logits tensor of a real model's vocabulary is
+    gigabytes per batch."""
     # deferred: torch takes seconds to import; the CLI imports this module at start
     import torch
-    import torch.nn.functional as F
+
+    from agentree.output_layer import chunked_logprobs
 
     length = max(len(e.token_ids) for e in batch)
     ids = torch.full((len(batch), length), pad, dtype=torch.long)
     attn = torch.zeros(len(batch), length, dtype=torch.long)
-    mask = torch.zeros(len(batch), length)
+    mask = torch.zeros(len(batch), length, dtype=torch.bool)
     for i, e in enumerate(batch):
         ids[i, : len(e.token_ids)] = torch.tensor(e.token_ids)
         attn[i, : len(e.token_ids)] = 1
-        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float)
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    # logits at position t predict token t+1
-    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    target = mask[:, 1:]
-    n = int(target.sum())
-    return (nll * target).sum() / max(n, 1), n
+        mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.bool)
+    # the logits at position t predict token t+1: rows are the positions before a target
+    before = mask[:, 1:]
+    rows = torch.arange(ids.numel()).view(ids.shape)[:, :-1][before]
+    targets = ids[:, 1:][before]
+    ids, attn = ids.to(device), attn.to(device)
+    with chunked_logprobs(model, rows.to(device), targets.to(device), 1.0, SFT_LOGITS_CHUNK):
+        logp = model(input_ids=ids, attention_mask=attn).logits
+    n = int(before.sum())
+    return -logp.sum() / max(n, 1), n
 
 
 def _truncate(e: SFTExample, max_length: int) -> SFTExample:

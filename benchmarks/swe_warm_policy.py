@@ -9,6 +9,8 @@ command (copying the function name, the path and the line numbers right). `--no-
 only those two.
 
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
+    python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR \
+        --config swebench_patr_smollm2 --samples 2                    # a SmolLM2 warm policy
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", required=True, help="held-out generated tasks (JSONL)")
     ap.add_argument("--policy", required=True, help="the warm SWE policy directory")
+    ap.add_argument(
+        "--config",
+        default="swebench_patr",
+        help="the run's config (swebench_patr_smollm2 for a SmolLM2 policy: its context size)",
+    )
     ap.add_argument("--n", type=int, default=0, help="first N tasks only (0: all)")
     ap.add_argument("--samples", type=int, default=2, help="samples per task (pass@k)")
     ap.add_argument("--step-limit", type=int, default=12, help="actions per episode")
@@ -65,7 +72,7 @@ def episodes(args: argparse.Namespace) -> None:
             tasks = out / "tasks.jsonl"
             tasks.write_text("\n".join(Path(args.tasks).read_text().splitlines()[: args.n]) + "\n")
         cmd = [
-            sys.executable, "-m", "agentree", "eval", "--config", "swebench_patr",
+            sys.executable, "-m", "agentree", "eval", "--config", args.config,
             "--tasks", str(tasks), "--policy", args.policy, "--samples", str(args.samples),
             "--output", str(out / "eval"), "--set", f"env.step_limit={args.step_limit}",
             "--set", f"engine.max_tokens={args.max_tokens}",

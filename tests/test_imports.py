@@ -111,6 +111,7 @@ LAYERS = [
         [
             "agentree.envs", "agentree.scorers", "agentree.engines", "agentree.models",
             "agentree.rollout", "agentree.swe", "agentree.sft", "agentree.prompts",
+            "agentree.output_layer",
             "agentree.configs",
         ],
     ),

@@ -10,7 +10,13 @@ import pytest
 
 from agentree.chat import ChatFormat
 from agentree.cli import main
-from agentree.sft import SFTConfig, example_from_messages, load_examples, run_sft
+from agentree.sft import (
+    SFTConfig,
+    example_from_messages,
+    load_examples,
+    run_sft,
+    sft_loss,
+)
 
 SYSTEM = "You are walking on a frozen lake."
 CONVERSATION = [
@@ -78,6 +84,56 @@ def test_malformed_conversations_are_rejected(tokenizer) -> None:
         example_from_messages(chat, [{"role": "robot", "content": "x"}])
 
 
+def test_loss_from_target_positions_equals_the_full_logits_loss(
+    tiny_frozenlake: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logits only where a target token is predicted, in slices smaller than the batch's
+    targets, and the batch forwarded one example at a time: the same mean cross-entropy and
+    the same gradients as the full logits of the padded batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import agentree.sft
+
+    chat = ChatFormat(tokenizer)
+    batch = [
+        example_from_messages(chat, CONVERSATION),
+        example_from_messages(chat, CONVERSATION[:3]),
+    ]
+    model = AutoModelForCausalLM.from_pretrained(tiny_frozenlake, torch_dtype=torch.float32)
+    pad = tokenizer.pad_token_id
+
+    # by hand: right-padded rows, logits at t scored against token t+1 where it is a target
+    length = max(len(e.token_ids) for e in batch)
+    total, count = torch.zeros(()), 0
+    ids = torch.tensor([e.token_ids + [pad] * (length - len(e.token_ids)) for e in batch])
+    attn = torch.tensor([[1] * len(e.token_ids) + [0] * (length - len(e.token_ids)) for e in batch])
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    for i, e in enumerate(batch):
+        for t in range(1, len(e.token_ids)):
+            if e.loss_mask[t]:
+                total = total - torch.log_softmax(logits[i, t - 1], -1)[e.token_ids[t]]
+                count += 1
+    (total / count).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    monkeypatch.setattr(agentree.sft, "SFT_LOGITS_CHUNK", 3)  # several slices per batch
+    loss, n = sft_loss(model, batch, pad, "cpu")
+    loss.backward()
+    assert n == count > 3
+    assert loss.item() == pytest.approx((total / count).item(), rel=1e-5)
+    for p, g in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+    # one example at a time, gradients accumulated by target-token share: the same step
+    model.zero_grad()
+    loss, n = agentree.sft._accumulate(model, batch, 1, pad, "cpu")
+    assert n == count and loss == pytest.approx((total / count).item(), rel=1e-5)
+    for p, g in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
 def test_sft_lowers_the_loss_and_the_output_trains(tiny_frozenlake: Path, tmp_path: Path) -> None:
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(16)))
@@ -124,8 +180,10 @@ def test_cli_fine_tunes_on_filtered_trees(tiny_frozenlake: Path, tmp_path: Path)
     best = max(rewards)
     sft = ["sft", "--env", "frozenlake", "--policy", str(tiny_frozenlake), "--data", str(roll)]
     out = tmp_path / "rft"
-    assert main([*sft, "--output", str(out), "--min-reward", str(best)]) == 0
+    argv = [*sft, "--output", str(out), "--min-reward", str(best), "--micro-batch-size", "1"]
+    assert main(argv) == 0
     summary = json.loads((out / "sft.json").read_text())
     assert summary["examples"] == sum(r >= best for r in rewards)
+    assert summary["config"]["micro_batch_size"] == 1
     # nothing left after filtering is a usage error with a sentence, not a crash
     assert main([*sft, "--output", str(tmp_path / "none"), "--min-reward", str(best + 1)]) == 2
