@@ -25,11 +25,11 @@ from swe_support import local_records_fixture  # noqa: E402, F401
 from agentree.config import load_config  # noqa: E402
 from agentree.distributed.cluster import LocalCluster, processes_matching  # noqa: E402
 from agentree.distributed.engine import RemoteEngine, block_hashes  # noqa: E402
+from agentree.launch import free_port  # noqa: E402
 from agentree.runtime import Runtime  # noqa: E402
 from agentree.tree import EndReason, Tree  # noqa: E402
 from agentree.update import PolicyUpdate  # noqa: E402
 
-PORT = 6393
 SMALL = [
     "engine.max_tokens=6",
     "env.max_turns=4",
@@ -59,7 +59,7 @@ def ray_overrides(address: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster(agentree_cache):
     # 4 logical CPUs a node: the module's runtime (3 actors) and the Ctrl-C run's (3) fit
-    c = LocalCluster(port=PORT, nodes=2, cpus_per_node=4)
+    c = LocalCluster(port=free_port(), nodes=2, cpus_per_node=4)
     saved = dict(os.environ)
     # the nodes have the tests' own packages installed, as a user's nodes have theirs
     tests_dir = os.path.dirname(os.path.abspath(__file__))
@@ -296,7 +296,9 @@ def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, l
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, log.read_text()
-    deadline = time.monotonic() + 30
+    # an actor removes its containers and snapshot images before it exits, which a Docker
+    # daemon busy with other sandboxes (another run, the other test worker) takes a while to do
+    deadline = time.monotonic() + 90
     while actor_pids() & started and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not actor_pids() & started, "an actor of the interrupted run is still running"

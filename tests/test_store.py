@@ -106,3 +106,22 @@ def test_an_exception_leaves_nothing_and_a_killed_builds_leftover_is_cleared(
     assert (target / "config.json").exists() and _leftovers(tmp_path / "tiny") == []
     assert messages[0].startswith("building tiny/abc") and messages[-1].startswith("built tiny/abc")
     assert [b["kind"] for b in cached_builds(tmp_path)] == ["tiny"]
+
+
+def test_models_build_fills_the_cache_that_a_run_and_models_list_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentree.cli import main
+
+    monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path))
+    argv = ["models", "build", "--env", "countdown", "--policy", "tiny"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    path = Path(out.strip())
+    assert path.parent == tmp_path / "tiny" and (path / "config.json").exists()
+    assert "building tiny policy" in err
+    assert main(argv) == 0  # cached: the same directory, nothing built
+    out, err = capsys.readouterr()
+    assert Path(out.strip()) == path and "building" not in err
+    assert main(["models", "list"]) == 0
+    assert f"tiny/{path.name}" in capsys.readouterr().out

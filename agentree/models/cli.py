@@ -1,14 +1,15 @@
-"""`agentree models list|pull`: the policies agentree can build or fetch, and what is cached."""
+"""`agentree models list|pull|build|prm`: the policies agentree builds or fetches, what is
+cached, and ahead-of-time builds (a cluster job's login node, CI before the test suite)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from agentree.config import parse_override
+from agentree.config import load_config, parse_override
 from agentree.models.pretrained import PRETRAINED, cached_path, find_pretrained, pull
 from agentree.models.prm_build import LABEL_SCORERS, PRMBuildConfig, build_prm
-from agentree.models.store import cache_root, cached_builds
+from agentree.models.store import cache_root, cached_builds, to_stderr
 
 BUILT_LOCALLY = {
     "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
@@ -26,6 +27,17 @@ def add_models_command(sub: Any) -> None:
     q = msub.add_parser("pull", help="fetch and convert a named checkpoint ahead of time")
     q.add_argument("name", help=f"one of: {', '.join(PRETRAINED)} (or its hub id)")
     q.set_defaults(func=cmd_models_pull)
+    q = msub.add_parser(
+        "build",
+        help="build (or fetch) the policy a run would use, ahead of time, into the cache",
+    )
+    q.add_argument("--config", help="config name or YAML file (default: the default run's)")
+    q.add_argument("--env", help="env name")
+    q.add_argument("--policy", help="tiny, tiny-warm, smollm2-135m, ...")
+    q.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    q.set_defaults(func=cmd_models_build)
     q = msub.add_parser(
         "prm",
         help="a process reward model on a policy's backbone, its value head fitted to an env's "
@@ -67,6 +79,18 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
             "(tiny and tiny-warm are built on first use, not pulled)"
         )
     print(f"{spec.name}: {pull(spec)}")
+    return 0
+
+
+def cmd_models_build(args: argparse.Namespace) -> int:
+    """The run's `policy.path` resolved exactly as `train` resolves it, so the run that follows
+    finds it cached."""
+    from agentree.policy import resolve_policy  # deferred: it imports torch
+
+    cfg = load_config(
+        args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
+    )
+    print(resolve_policy(cfg, to_stderr))
     return 0
 
 
