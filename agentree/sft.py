@@ -317,12 +317,11 @@ def _accumulate(
 ) -> tuple[float, int]:
     """Backward the batch's mean target-token loss in micro-batches of `size` examples; returns
     (that loss, the batch's target tokens). One micro-batch is exactly `sft_loss`'s gradient."""
-    counts = [sum(e.loss_mask[1:]) for e in batch]  # the targets sft_loss counts
-    n = sum(counts)
+    n = sum(sum(e.loss_mask[1:]) for e in batch)  # the targets sft_loss counts
     total = 0.0
     for s in range(0, len(batch), size):
         loss, k = sft_loss(model, batch[s : s + size], pad, device)
-        (loss if k == n else loss * (k / max(n, 1))).backward()
+        (loss * (k / max(n, 1))).backward()  # one micro-batch: k / n is exactly 1.0
         total += float(loss.detach()) * k
     return total / max(n, 1), n
 
