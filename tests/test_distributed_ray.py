@@ -174,13 +174,55 @@ def test_killed_worker_fails_only_its_trees(rt):
         pytest.fail("the killed worker was not restarted")
 
 
-def actor_pids() -> set[int]:
-    """Processes running an agentree actor (Ray titles them `ray::<class>...`)."""
-    return set(processes_matching("ray::RolloutWorker", "ray::EngineReplica", "ray::ScorerActor"))
+ACTOR_CLASSES = ("RolloutWorker", "EngineReplica", "ScorerActor")
+
+
+class JobActors:
+    """The agentree actors of Ray jobs that start after this is made (a CLI run's driver is
+    one job), read from the cluster's actor table, so that the module's own runtime, a
+    restarted actor of another test, or a worker process Ray recycles is never counted."""
+
+    def __init__(self, cluster: LocalCluster):
+        from agentree.config import DistributedConfig
+        from agentree.distributed.cluster import connect
+
+        connect(DistributedConfig(backend="ray", address=cluster.address))  # as a Runtime does
+        self.known = {a["JobID"] for a in self.table()}
+        self.known.add(ray.get_runtime_context().get_job_id())
+        self.pids: set[int] = set()  # every process an actor of the new jobs ran in
+
+    @staticmethod
+    def table() -> list[dict]:
+        from ray._private import state
+
+        return [a for a in state.actors().values() if a["ActorClassName"] in ACTOR_CLASSES]
+
+    def alive(self) -> list[dict]:
+        """The new jobs' live actors (their pids are remembered)."""
+        out = [a for a in self.table() if a["JobID"] not in self.known and a["State"] == "ALIVE"]
+        self.pids |= {a["Pid"] for a in out if a.get("Pid")}
+        return out
+
+    def running(self) -> set[int]:
+        """Remembered actor processes still running here under their `ray::` title."""
+        titled = set(processes_matching(*(f"ray::{c}" for c in ACTOR_CLASSES)))
+        return self.pids & titled
+
+    def gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while (self.alive() or self.running()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return not self.alive() and not self.running()
+
+    @staticmethod
+    def describe(actors: list[dict]) -> str:
+        return ", ".join(
+            f"{a['ActorClassName']} pid {a['Pid']} ({a['NumRestarts']} restarts)" for a in actors
+        )
 
 
 def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenlake):
-    before = actor_pids()  # the module's runtime: 2 workers, 1 engine replica
+    run = JobActors(cluster)  # not the module's runtime: 2 workers, 1 engine replica
     cmd = [
         sys.executable, "-m", "agentree", "rollout", "--tasks", "64", "--output", str(tmp_path),
         *[x for o in SMALL + ray_overrides(cluster.address) for x in ("--set", o)],
@@ -194,19 +236,15 @@ def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenla
         seen += line
         if "agentree rollout" in line:
             break
-    deadline = time.monotonic() + 60  # actor processes take their `ray::` title when they run
-    started = actor_pids() - before
-    while len(started) < 3 and time.monotonic() < deadline and proc.poll() is None:
+    deadline = time.monotonic() + 60
+    while len(run.alive()) < 3 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
-        started = actor_pids() - before
-    assert len(started) == 3, seen  # this run's 2 workers and 1 replica, on both nodes
+    alive = run.alive()
+    assert len(alive) == 3, seen + run.describe(alive)  # this run's 2 workers and 1 replica
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, seen + out
-    deadline = time.monotonic() + 30
-    while actor_pids() & started and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not actor_pids() & started, "an actor of the interrupted run is still running"
+    assert run.gone(30), "an actor of the interrupted run is still running"
     assert not (tmp_path / "rollout_stats.json").exists()
 
 
@@ -258,7 +296,7 @@ def docker_owned_by(pids: set[int]) -> tuple[list[str], list[str]]:
 def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, local_records):
     """SWE trees in flight on two workers, one per node, each holding Docker sandboxes: SIGINT
     to `agentree rollout` leaves no actor, container or snapshot image on either node."""
-    before = actor_pids()
+    run = JobActors(cluster)
     sets = [
         "engine.max_tokens=16",
         "rollout.K=2",
@@ -277,17 +315,16 @@ def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, l
     try:
         deadline = time.monotonic() + 300
         holders: set[int] = set()
-        started: set[int] = set()
         snapshots: list[str] = []
         while time.monotonic() < deadline and proc.poll() is None:
-            started = actor_pids() - before
-            holders = container_owners() & started
-            snapshots = docker_owned_by(started)[1]
+            run.alive()
+            holders = container_owners() & run.pids
+            snapshots = docker_owned_by(run.pids)[1]
             if len(holders) == 2 and snapshots:
                 break
             time.sleep(0.5)
         assert proc.poll() is None, log.read_text()
-        assert len(holders) == 2, f"sandboxes held by {holders} of actors {started}"
+        assert len(holders) == 2, f"sandboxes held by {holders} of actors {run.pids}"
         assert snapshots, "no tree forked before the deadline"
         assert len({node_of(p) for p in holders}) == 2  # the two workers are on both nodes
         proc.send_signal(signal.SIGINT)
@@ -298,11 +335,8 @@ def test_ctrl_c_with_sandboxes_on_both_nodes_leaves_nothing(cluster, tmp_path, l
     assert proc.returncode == 130, log.read_text()
     # an actor removes its containers and snapshot images before it exits, which a Docker
     # daemon busy with other sandboxes (another run, the other test worker) takes a while to do
-    deadline = time.monotonic() + 90
-    while actor_pids() & started and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not actor_pids() & started, "an actor of the interrupted run is still running"
-    assert docker_owned_by(started) == ([], [])
+    assert run.gone(90), "an actor of the interrupted run is still running"
+    assert docker_owned_by(run.pids) == ([], [])
     assert not (tmp_path / "run" / "rollout_stats.json").exists()
 
 
