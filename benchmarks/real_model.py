@@ -9,7 +9,8 @@ Sections:
 - `convert`: `agentree models pull smollm2-135m` into an empty temp cache (download, sha256
   checks, de-quantization, save), wall time.
 - `throughput`: the transformers engine's sampled tokens/s at batch 1 and batch 8 (64 new
-  tokens after a ~90-token prompt, no early stop), and trained tokens/s of one
+  tokens after a ~90-token prompt, no early stop), the prefill and the decoding at batch 8 after
+  contexts of 1,800-2,500 tokens of different lengths (a SWE turn), and trained tokens/s of one
   forward+backward+AdamW step on 4 x 512 tokens (the update's cost without the rollout).
 - `zero-shot`: `agentree eval --config <env>_smollm2 --policy smollm2-135m` on held-out tasks;
   success (resolved) rate and the share of well-formed actions from the saved trees.
@@ -73,6 +74,21 @@ def throughput(policy: str, threads: int) -> dict[str, float]:
         done = engine.generate([prompt] * batch, params)
         n = sum(len(c.token_ids) for row in done for c in row)
         out[f"generate_tokens_per_s_batch{batch}"] = round(n / (time.perf_counter() - t0), 1)
+    # a SWE turn: 8 contexts of 1,800-2,500 tokens, each its own length (left-padded with a
+    # mask, as the rows of a multi-turn rollout are); the prefill alone (one new token), then
+    # 32 more tokens, whose extra time is the decoding's
+    words = tok.encode("def f(x):\n    return x + 1  # a line of code in a long listing\n" * 400)
+    long = [words[k : k + 1800 + 100 * k] for k in range(8)]
+    one, more = (SamplingParams(max_tokens=n, stop_token_ids=()) for n in (1, 33))
+    engine.generate(long[:2], one)  # warm-up
+    t0 = time.perf_counter()
+    engine.generate(long, one)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(long, more)
+    decode = time.perf_counter() - t0 - prefill
+    out["long_context_prefill_tokens_per_s"] = round(sum(map(len, long)) / prefill, 1)
+    out["long_context_decode_tokens_per_s_batch8"] = round(8 * 32 / decode, 1)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, len(tok), (4, 512))

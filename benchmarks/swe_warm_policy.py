@@ -10,7 +10,8 @@ only those two.
 
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR \
-        --config swebench_patr_smollm2 --samples 2                    # a SmolLM2 warm policy
+        --config swebench_patr_smollm2 --samples 2 --max-tokens 96 \
+        --chunk 10 --keep DIR                          # a SmolLM2 warm policy, resumable
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def main() -> None:
         help="the run's config (swebench_patr_smollm2 for a SmolLM2 policy: its context size)",
     )
     ap.add_argument("--n", type=int, default=0, help="first N tasks only (0: all)")
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="evaluate N tasks at a time, each chunk kept under --keep and reused on a rerun",
+    )
     ap.add_argument("--samples", type=int, default=2, help="samples per task (pass@k)")
     ap.add_argument("--step-limit", type=int, default=12, help="actions per episode")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
@@ -67,22 +74,20 @@ def episodes(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="agentree-bench-") as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        tasks = Path(args.tasks)
-        if args.n:
-            tasks = out / "tasks.jsonl"
-            tasks.write_text("\n".join(Path(args.tasks).read_text().splitlines()[: args.n]) + "\n")
-        cmd = [
-            sys.executable, "-m", "agentree", "eval", "--config", args.config,
-            "--tasks", str(tasks), "--policy", args.policy, "--samples", str(args.samples),
-            "--output", str(out / "eval"), "--set", f"env.step_limit={args.step_limit}",
-            "--set", f"engine.max_tokens={args.max_tokens}",
-        ]  # fmt: skip
-        for s in args.set:
-            cmd += ["--set", s]
-        subprocess.run(cmd, check=True)
-        summary = json.loads((out / "eval" / "eval.json").read_text())["summary"]
+        lines = [x for x in Path(args.tasks).read_text().splitlines() if x.strip()]
+        lines = lines[: args.n] if args.n else lines
+        size = args.chunk or len(lines)
+        chunks = [lines[i : i + size] for i in range(0, len(lines), size)]
+        summaries = []
+        for c, chunk in enumerate(chunks):  # a chunk already evaluated under --keep is reused
+            where = out / (f"chunk{c:03d}" if args.chunk else ".")
+            if not (where / "eval" / "eval.json").exists():
+                print(f"chunk {c + 1}/{len(chunks)}: {len(chunk)} tasks", flush=True)
+                evaluate_chunk(args, chunk, where)
+            summaries.append(json.loads((where / "eval" / "eval.json").read_text())["summary"])
         actions, bad, first = 0, 0, Counter()
-        for f in sorted((out / "eval" / "trees").glob("*.json")):
+        trees = sorted(out.glob("chunk*/eval/trees/*.json")) or sorted(out.glob("eval/trees/*.json"))
+        for f in trees:
             for node in json.loads(f.read_text())["nodes"]:
                 env = (node.get("info") or {}).get("env") or {}
                 if "action_key" not in env:
@@ -92,13 +97,31 @@ def episodes(args: argparse.Namespace) -> None:
                     bad += 1
                 else:
                     first[(env["action_key"].split() or ["?"])[0]] += 1
+    tasks = sum(s["tasks"] for s in summaries)
+    pass1 = sum(s["success_rate"] * s["tasks"] for s in summaries) / max(tasks, 1)
+    passk = sum(s["pass_at_k"] * s["tasks"] for s in summaries) / max(tasks, 1)
     well = 1 - bad / max(actions, 1)
     print(
-        f"{summary['tasks']} tasks x {args.samples} samples: {actions} actions, "
-        f"{100 * well:.1f}% well-formed; resolved pass@1 {100 * summary['success_rate']:.1f}%, "
-        f"pass@{args.samples} {100 * summary['pass_at_k']:.1f}%"
+        f"{tasks} tasks x {args.samples} samples: {actions} actions, "
+        f"{100 * well:.1f}% well-formed; resolved pass@1 {100 * pass1:.1f}%, "
+        f"pass@{args.samples} {100 * passk:.1f}%"
     )
     print("commands: " + ", ".join(f"{k} {v}" for k, v in first.most_common(8)))
+
+
+def evaluate_chunk(args: argparse.Namespace, lines: list[str], where: Path) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    tasks = where / "tasks.jsonl"
+    tasks.write_text("\n".join(lines) + "\n")
+    cmd = [
+        sys.executable, "-m", "agentree", "eval", "--config", args.config,
+        "--tasks", str(tasks), "--policy", args.policy, "--samples", str(args.samples),
+        "--output", str(where / "eval"), "--set", f"env.step_limit={args.step_limit}",
+        "--set", f"engine.max_tokens={args.max_tokens}",
+    ]  # fmt: skip
+    for s in args.set:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True)
 
 
 if __name__ == "__main__":

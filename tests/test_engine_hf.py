@@ -126,3 +126,53 @@ def test_stop_strings_end_completions(hf_engine):
             assert not hits
         else:
             assert not hits and len(c.token_ids) == 40
+
+
+def test_cpu_gqa_attention_equals_transformers_sdpa(monkeypatch):
+    """`load_policy` registers an `sdpa` that lets torch share KV heads on the CPU when a mask
+    is given (transformers copies each KV head per query head there): on a grouped-query model
+    with a left-padded batch, the logits and every gradient are transformers' own, and the
+    shared-head kernel was the one that ran."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from agentree.engines import hf
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(3, 64, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding of different lengths
+    mask[1, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shared = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        shared.append(kw.get("enable_gqa", False))
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(hf.F, "scaled_dot_product_attention", spy)
+    try:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+        want, want_grads = run()
+        AttentionInterface.register("sdpa", hf._cpu_gqa_sdpa)
+        got, got_grads = run()
+    finally:
+        AttentionInterface.register("sdpa", hf._cpu_gqa_sdpa)
+    # per layer: transformers' run copied the KV heads, this one shared them
+    assert shared == [False, False, True, True]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)

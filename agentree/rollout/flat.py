@@ -38,8 +38,10 @@ class FlatGRPO(Controller):
         with TurnRunner(ctx, stats) as runner:
             groups = runner.start(tasks, self.config.G, fork=False)
             live = [b for g in groups for b in g]
+            turn = 0
             while live:
                 live, _ = runner.advance(live)
-                ctx.report(f"{self.name}: {len(live)} active trajectories")
+                turn += 1  # a line a turn: a turn of long contexts can take minutes
+                ctx.report(f"{self.name}: turn {turn}, {len(live)} active trajectories")
         trees = [g[0].tree for g in groups]
         return self.finish(trees, stats, t0)
