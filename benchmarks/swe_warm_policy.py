@@ -86,8 +86,7 @@ def episodes(args: argparse.Namespace) -> None:
                 evaluate_chunk(args, chunk, where)
             summaries.append(json.loads((where / "eval" / "eval.json").read_text())["summary"])
         actions, bad, first = 0, 0, Counter()
-        trees = sorted(out.glob("chunk*/eval/trees/*.json")) or sorted(out.glob("eval/trees/*.json"))
-        for f in trees:
+        for f in sorted(out.glob("chunk*/eval/trees/*.json")) + sorted(out.glob("eval/trees/*")):
             for node in json.loads(f.read_text())["nodes"]:
                 env = (node.get("info") or {}).get("env") or {}
                 if "action_key" not in env:
