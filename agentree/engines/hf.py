@@ -527,6 +527,7 @@ def _cpu_gqa_sdpa(
     copy off CUDA, and at a few thousand cached tokens the copies cost more than the
     attention itself (benchmarks/real_model.py `long_context`). Same result to the bit; every
     other case goes to transformers' own function."""
+    # deferred: transformers takes seconds to import (see _Batch)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (
