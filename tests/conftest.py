@@ -123,5 +123,5 @@ def pytest_report_header(config: pytest.Config) -> str:
         return f"agentree: {len(linked)} tiny-warm build(s) linked from {USER_CACHE}"
     return (
         f"agentree: no tiny-warm build in {USER_CACHE}; the session builds the default one "
-        "(about 3 min): `agentree models build` once saves that on every run"
+        "(about 3-4 min): `agentree models build` once saves that on every run"
     )

@@ -15,7 +15,7 @@ BUILT_LOCALLY = {
     "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
     "the env's text; built per env in seconds",
     "tiny-warm": "tiny fine-tuned on a noisy scripted expert (FrozenLake, Countdown); built per "
-    "env in about 2-3 min on 2 CPU cores",
+    "env in about 3-4 min (one thread)",
 }
 
 

@@ -414,7 +414,7 @@ def warm_policy_for_env(
         cache_root() / "tiny-warm" / key,
         write,
         what=f"warm policy for {env_name} ({warm.base} fine-tuned on the scripted expert)",
-        expected=f"{phases}, about 2-3 min on 2 CPU cores for tiny, longer for a real model "
+        expected=f"{phases}, about 3-4 min for tiny (one thread), longer for a real model "
         "or under load; built once",
         log=log,
     )
