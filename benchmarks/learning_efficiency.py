@@ -6,15 +6,18 @@ groups, as published), `tree-grpo` (Tree-GRPO's tree and intra+inter-tree advant
 (TSR's beam search, optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's advantage),
 trained from the env's warm-started tiny policy (`policy.path: tiny-warm`) on the same maps.
 
-Budgets are matched in env steps per optimiser step, not in group sizes: each case has a
-nominal budget B of env steps per task and an estimate E of the warm policy's episode length
-(turns per trajectory), and every method's group is sized to spend about B per task
-(`sized_methods`: flat methods G = B / E; Tree-GRPO M chains plus M N half-length
-expansions, M = B / (E (1 + N L / 2)); TSR's beam W beams x N candidates per turn, W = B /
-(N E); PATR's default tree is what B was measured from). A static sizing cannot hit B exactly
-(episodes end early or late), so the summary reports the env steps each method actually drew
-per step, and budgets are compared on the x axis: `env_steps_to_grpo_final` is the cumulative
-env steps at which a method's seed-mean held-out curve first reaches flat GRPO's final value.
+Budgets are matched in env steps per optimiser step, not in group sizes: B is the env steps
+PATR's default tree spends per task and E the warm policy's episode length (turns per
+trajectory), and every method's group is sized to spend about B per task (`sized_methods`:
+flat methods G = B / E; Tree-GRPO M chains plus M N half-length expansions, M = B / (E (1 + N
+L / 2)); TSR's beam W beams x N candidates per turn, W = B / (N E)). Both are measured from
+the warm start before the first run (`calibrate`: one `agentree rollout` of PATR's tree and
+one of flat episodes on `--calibrate` training tasks), kept in `DIR/<case>/sizing.json` so a
+resumed benchmark sizes its groups the same; `--budget` and `--turns` set them by hand. A
+sizing from the start cannot hit B exactly all along (episodes get shorter or longer as the
+policy learns), so the summary reports the env steps each method actually drew per step, and
+budgets are compared on the x axis: `env_steps_to_grpo_final` is the cumulative env steps at
+which a method's seed-mean held-out curve first reaches flat GRPO's final value.
 
 Countdown (`--case countdown`): the token-level samplers `latr`, `treepo`, `eptree` against flat
 `grpo`: held-out accuracy and pass@k against cumulative forward tokens (sampled plus prefilled).
@@ -36,7 +39,8 @@ Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 (tokens for Countdown) at which the seed-mean held-out curve first reaches flat GRPO's final
 mean, or null, "pass_at_4", "env_steps_per_step", "forks", "wall_s", "seeds"}},
 "paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
-and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method}}, the PNG
+and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method},
+"sizing": {"budget_per_task": B, "turns": E}}, the PNG
 curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
 with the per-seed curves and the walker's figure.
 """
@@ -50,6 +54,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 
-def sized_methods(budget: int, turns: float) -> dict[str, list[str]]:
+def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
     """Each method's CLI settings, sized to spend about `budget` env steps per task when a
     trajectory takes about `turns` turns (see the module docstring for the formulas)."""
     g = max(2, round(budget / turns))
@@ -97,9 +102,10 @@ def sized_methods(budget: int, turns: float) -> dict[str, list[str]]:
     }
 
 
-# Budgets: PATR's default tree (B0=4, M=2, top-k=2, 10 turns) spends 22-35 env steps per 4x4
-# task from the warm policy (measured: 5-6 leaves of ~5.4 turns), hence B = 32 and E = 5.4
-# (flat G = 6). Sokoban: 12 turns, and the warm policy's episodes run longer.
+# `budget_per_task` and `turns` are the fallbacks of `calibrate --calibrate 0`. FrozenLake's were
+# read from an earlier warm policy (5-6 PATR leaves of ~5.4 turns); from the warm start of the
+# five-seed run episodes ran about 4 turns and PATR drew 18.5 env steps per task, so flat G=6
+# drew 32% more than PATR: hence the calibration.
 CASES: dict[str, dict[str, Any]] = {
     "frozenlake": {
         "config": "frozenlake_patr",
@@ -137,8 +143,43 @@ def methods_of(case: str, args: argparse.Namespace) -> dict[str, list[str]]:
     spec = CASES[case]
     if "methods" in spec:
         return spec["methods"]
-    budget = args.budget or spec["budget_per_task"]
-    return sized_methods(budget, args.turns or spec["turns"])
+    return sized_methods(*sizing_of(case, args))
+
+
+def sizing_of(case: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(B, E): set by hand, else calibrated, else the case's fixed estimates."""
+    spec = CASES[case]
+    sizing = getattr(args, "sizing", {}).get(case) or {}
+    budget = args.budget or sizing.get("budget_per_task") or spec["budget_per_task"]
+    return budget, args.turns or sizing.get("turns") or spec["turns"]
+
+
+def calibrate(case: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """B (PATR's env steps per task) and E (turns per flat episode), measured from the warm
+    start on the first `args.calibrate` training tasks of seed 0, or read back from an earlier
+    calibration of this benchmark directory."""
+    path = out / case / "sizing.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    spec = CASES[case]
+    stats = {}
+    for name, extra in (("patr", []), ("flat", ["--rollout", "grpo", "--set", "rollout.G=4"])):
+        with tempfile.TemporaryDirectory(prefix="agentree-calibrate-") as tmp:
+            cmd = [sys.executable, "-m", "agentree", "rollout", "--config", spec["config"], *extra]
+            for item in [*spec.get("env", []), "seed=0", *args.set]:
+                cmd += ["--set", item]
+            cmd += ["--policy", "tiny-warm", "--tasks", str(args.calibrate), "--output", tmp]
+            print(f"[{time.strftime('%H:%M:%S')}] {case} calibration: {name}", flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            stats[name] = json.loads((Path(tmp) / "rollout_stats.json").read_text())
+    sizing = {
+        "budget_per_task": stats["patr"]["env_steps"] / args.calibrate,
+        "turns": stats["flat"]["env_steps"] / stats["flat"]["trajectories"],
+        "tasks": args.calibrate,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sizing, indent=1))
+    return sizing
 
 
 def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespace) -> Path:
@@ -401,7 +442,13 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5, help="held-out evaluation interval")
     ap.add_argument("--eval-tasks", type=int, default=32, help="held-out tasks per evaluation")
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per held-out task")
-    ap.add_argument("--budget", type=int, help="env steps per task each method is sized to")
+    ap.add_argument("--budget", type=float, help="env steps per task each method is sized to")
+    ap.add_argument(
+        "--calibrate",
+        type=int,
+        default=16,
+        help="training tasks the sizing is measured on (0: the case's fixed estimates)",
+    )
     ap.add_argument("--turns", type=float, help="expected turns per trajectory, for sizing")
     ap.add_argument("--methods", nargs="+", help="run only these methods (default: all)")
     ap.add_argument("--set", action="append", default=[], help="extra config override")
@@ -413,7 +460,12 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop_runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.sizing = {}
     for case in CASES if args.case == "all" else [args.case]:
+        sized = "methods" not in CASES[case] and not (args.budget and args.turns)
+        if sized and args.calibrate:
+            args.sizing[case] = calibrate(case, out, args)
+            print(f"{case} sizing: {json.dumps(args.sizing[case])}", flush=True)
         known = list(methods_of(case, args))
         methods = args.methods or known
         unknown = set(methods) - set(known)
@@ -427,6 +479,9 @@ def main() -> None:
                 done.result()
         baseline = walker_baseline(case, args.seeds, args)
         summary = summarise(case, methods, args.seeds, out, baseline)
+        if "methods" not in CASES[case]:
+            budget, turns = sizing_of(case, args)
+            summary["sizing"] = {"budget_per_task": budget, "turns": turns}
         name = "summary.json" if case == "frozenlake" else f"{case}_summary.json"
         (out / name).write_text(json.dumps(summary, indent=1))
         print(f"{case} ({time.perf_counter() - t0:.0f}s): {json.dumps(summary)}")

@@ -91,3 +91,32 @@ def test_summary_reports_actual_env_steps_and_reach(bench, tmp_path, monkeypatch
     assert s["paired_vs_grpo"]["patr"]["diffs"] == pytest.approx([0.1, -0.1])
     assert s["paired_patr_vs"]["grpo"]["diffs"] == pytest.approx([0.1, -0.1])  # PATR - GRPO
     assert set(s["paired_patr_vs"]) == {"grpo"}
+
+
+def test_calibration_measures_the_budget_from_the_warm_start_and_is_kept(
+    bench, tmp_path, monkeypatch
+):
+    """B is PATR's env steps per task and E the flat episodes' mean length, each read from an
+    `agentree rollout` of the warm start; a resumed benchmark reads them back, and the groups
+    are sized from them."""
+    import argparse
+
+    args = argparse.Namespace(calibrate=2, set=["env.max_turns=4"], budget=None, turns=None)
+    sizing = bench.calibrate("frozenlake", tmp_path, args)
+    assert sizing["tasks"] == 2
+    assert 1.0 <= sizing["turns"] <= 4.0
+    assert sizing["budget_per_task"] >= sizing["turns"]  # a tree holds at least one episode
+    kept = json.loads((tmp_path / "frozenlake" / "sizing.json").read_text())
+    assert kept == sizing
+
+    def no_rollout(*a, **k):
+        raise AssertionError("a kept calibration is read back, not measured again")
+
+    with monkeypatch.context() as m:
+        m.setattr(bench.subprocess, "run", no_rollout)
+        assert bench.calibrate("frozenlake", tmp_path, args) == sizing
+    args.sizing = {"frozenlake": sizing}
+    g = max(2, round(sizing["budget_per_task"] / sizing["turns"]))
+    assert f"rollout.G={g}" in settings(bench.methods_of("frozenlake", args)["grpo"])
+    args.budget, args.turns = 30.0, 5.0  # by hand, over the calibration
+    assert "rollout.G=6" in settings(bench.methods_of("frozenlake", args)["grpo"])
