@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from swe_support import assert_no_leftovers, require_docker
 
 from agentree.envs.base import Task
@@ -132,6 +133,7 @@ def test_expert_tries_wrong_edits_undoes_them_and_sometimes_gives_up():
         assert ("failed" in obs[-1]) == gave_up
 
 
+@pytest.mark.docker
 def test_expert_trajectories_replay_in_docker_and_resolve():
     require_docker()
     # a dropped return (python edit) and an off-by-one (sed), each with a wrong edit to try
@@ -170,6 +172,7 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
     assert_no_leftovers(allow_spares=True)
 
 
+@pytest.mark.slow  # fine-tunes a tiny SWE policy for 10 epochs: about a minute
 def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     from transformers import AutoTokenizer
 

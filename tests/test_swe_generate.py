@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
 from swe_support import assert_no_leftovers, require_docker
 
 from agentree.swe import generate, local_suite
@@ -131,6 +132,7 @@ def test_split_keeps_whole_groups_out_and_is_seeded():
     assert Counter(s.values()) == {"train": 36, "heldout": 24}
 
 
+@pytest.mark.docker
 def test_generate_validates_in_docker_and_the_records_grade_like_swebench(tmp_path):
     require_docker()
     from agentree.swe.grading import grade
@@ -158,6 +160,7 @@ def test_generate_validates_in_docker_and_the_records_grade_like_swebench(tmp_pa
     assert_no_leftovers(allow_spares=True)
 
 
+@pytest.mark.docker
 def test_generate_command_writes_the_splits_and_a_report(tmp_path):
     require_docker()
     out = tmp_path / "gen.jsonl"
