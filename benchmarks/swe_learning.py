@@ -7,11 +7,17 @@ Afterwards each run directory gives: held-out resolved rate per step against cum
 steps, forks, scorer calls, and sandbox seconds per env step (from the saved trees).
 
 Sized for a 2-core machine by default (one task per step, small trees, short episodes); the
-knobs are flags and `--set` overrides.
+knobs are flags and `--set` overrides. With `--keep DIR` a run is resumable: a finished run
+(`DIR/<rollout>-seed<N>/bench.json`) is reused, and one stopped after a checkpoint continues
+with `agentree train --resume` (runs save every step), so a long comparison survives
+Ctrl-C, a reboot or a session's end.
 
     agentree swe generate --n 200 --output gen/tasks.jsonl
     POLICY=$(agentree swe warm --tasks gen/tasks.train.jsonl | tail -n 1)
     python benchmarks/swe_learning.py --tasks gen/tasks --policy $POLICY --seeds 0 1
+    POLICY=$(agentree swe warm --tasks gen/tasks.train.jsonl --policy smollm2-135m | tail -n 1)
+    python benchmarks/swe_learning.py --tasks gen/tasks --policy $POLICY \
+        --config swebench_patr_smollm2 --max-tokens 96 --keep runs/swe-rl      # resumable
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import ast
 import contextlib
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,8 +56,15 @@ def _watch_containers(pid: int, stop: threading.Event, peak: list[int]) -> None:
 
 
 def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: Path) -> dict:
+    """One (rollout, seed) run: reused when finished, resumed from its last checkpoint when
+    stopped after one, started afresh otherwise."""
+    if (out / "bench.json").exists():
+        return json.loads((out / "bench.json").read_text())
+    resume = (out / "checkpoints").exists()
+    if out.exists() and not resume:  # stopped before its first checkpoint: nothing to keep
+        shutil.rmtree(out)
     cmd = [
-        sys.executable, "-m", "agentree", "train", "--config", "swebench_patr",
+        sys.executable, "-m", "agentree", "train", "--config", args.config,
         "--rollout", rollout, "--scorer", args.scorer, "--policy", args.policy,
         "--tasks", f"{args.tasks}.train.jsonl", "--steps", str(args.steps),
         "--output", str(out),
@@ -62,6 +76,7 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
         f"train.eval_every={args.eval_every}",
         "train.tasks_per_step=1",
         "train.trees_every=1",
+        "train.save_every=1",  # a stopped run resumes from its last step (2 checkpoints kept)
         f"env.step_limit={args.step_limit}",
         f"engine.max_tokens={args.max_tokens}",
         *ROLLOUT_SETS[rollout],
@@ -69,6 +84,9 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
     ]
     for s in sets:
         cmd += ["--set", s]
+    if resume:  # the saved config.yaml holds every setting above
+        cmd = [sys.executable, "-m", "agentree", "train", "--output", str(out), "--resume"]
+        print(f"resuming {out}", flush=True)
     stop, peak = threading.Event(), [0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -81,10 +99,11 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
         raise SystemExit(f"agentree train ({rollout}, seed {seed}) failed with exit code {rc}")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps, curve, env_steps = 0, [], 0.0
-    totals = {"forks": 0.0, "scorer_calls": 0.0, "env_steps": 0.0}
+    totals = {"forks": 0.0, "scorer_calls": 0.0, "env_steps": 0.0, "train_s": 0.0}
     for r in rows:
         if "rollout/env_steps" in r:
             steps += 1
+            totals["train_s"] += r.get("time/step_s", 0.0)
             env_steps += r["rollout/env_steps"]
             totals["env_steps"] += r["rollout/env_steps"]
             totals["forks"] += r.get("rollout/forks", 0.0)
@@ -92,15 +111,18 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
         if "eval/success_rate" in r:
             curve.append((int(env_steps), r["eval/success_rate"], r.get("eval/pass_at_k")))
     sandbox = _sandbox_seconds(out / "trees")
-    return {
+    result = {
         "rollout": rollout,
         "seed": seed,
-        "wall_s": round(wall, 1),
+        "wall_s": round(wall, 1),  # of this process only, when resumed
+        "resumed": resume,
         "curve": curve,
         **totals,
         "sandbox_s_per_env_step": sandbox,
         "peak_containers": peak[0],
     }
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def _sandbox_seconds(trees: Path) -> float | None:
@@ -124,6 +146,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", required=True, help="generated tasks path without .jsonl")
     ap.add_argument("--policy", required=True, help="the warm SWE policy directory")
+    ap.add_argument(
+        "--config",
+        default="swebench_patr",
+        help="the runs' config (swebench_patr_smollm2 for a SmolLM2 policy: its context size)",
+    )
     ap.add_argument("--rollouts", nargs="+", default=["patr", "grpo"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=2, help="optimiser steps per run")
