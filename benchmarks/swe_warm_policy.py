@@ -6,7 +6,9 @@ commands were (their first word), and the resolved rates. `--offline N` also sam
 policy's action at every turn of the expert's conversations on N held-out tasks (no containers),
 and `--match N` asks it greedily and counts, per turn, the answers that are exactly the expert's
 command (copying the function name, the path and the line numbers right). `--no-docker` runs
-only those two.
+only those two. The episodes in Docker are also read for where they break: how many grep the
+definition around the bug, list its file, edit its line, make the fix, and submit
+(`expert.episode_stages`).
 
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR --samples 2
     python benchmarks/swe_warm_policy.py --tasks gen/tasks.heldout.jsonl --policy DIR \
@@ -106,6 +108,37 @@ def episodes(args: argparse.Namespace) -> None:
         f"pass@{args.samples} {100 * passk:.1f}%"
     )
     print("commands: " + ", ".join(f"{k} {v}" for k, v in first.most_common(8)))
+    stages(args, sorted(out.glob("chunk*/eval/trees/*.json")) + sorted(out.glob("eval/trees/*")))
+
+
+def stages(args: argparse.Namespace, trees: list[Path]) -> None:
+    """Where the episodes break: the share that reached each of the expert's steps
+    (`expert.episode_stages`), over every sampled episode (a root-to-leaf path)."""
+    from agentree.envs.swe import parse_commands
+    from agentree.swe.expert import STAGES, episode_stages
+
+    records = {}
+    for line in Path(args.tasks).read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            records[r["instance_id"]] = r
+    reached, episodes = Counter(), 0
+    for f in trees:
+        tree = json.loads(f.read_text())
+        nodes = {n["id"]: n for n in tree["nodes"]}
+        for leaf in (n for n in tree["nodes"] if not n["children"] and n["parent"] is not None):
+            path, node = [], leaf
+            while node["parent"] is not None:
+                path.append(node)
+                node = nodes[node["parent"]]
+            commands = [c for n in reversed(path) for c in parse_commands(n.get("action") or "")]
+            got = episode_stages(records[tree["task_id"]], commands)
+            reached.update(k for k, v in got.items() if v)
+            episodes += 1
+    print(
+        f"episodes reaching the expert's steps (of {episodes}): "
+        + ", ".join(f"{k} {reached[k]}" for k in STAGES)
+    )
 
 
 def evaluate_chunk(args: argparse.Namespace, lines: list[str], where: Path) -> None:

@@ -231,3 +231,28 @@ def test_warm_command_writes_trajectories_for_another_model(tmp_path, capsys):
     assert "wrote 24 trajectories" in capsys.readouterr().out
     assert all(r["messages"][-1]["content"] == expert.SUBMIT_ACTION for r in rows)
     assert not list(tmp_path.glob("**/config.json"))  # nothing built
+
+
+def test_episode_stages_follow_the_experts_path():
+    """The expert's own episode reaches every stage; one that greps another definition, lists
+    the right file, edits the right line wrongly and never submits stops at `show`."""
+    record = _records(["durations"], 1)[0]
+    conv = expert.trajectory(record)
+    commands = [c for m in conv if m["role"] == "assistant" for c in parse_commands(m["content"])]
+    assert expert.episode_stages(record, commands) == dict.fromkeys(expert.STAGES, True)
+    grep, show, edit = commands[0], commands[1], commands[2]
+    line = int(edit.split("'")[1].split("s")[0])
+    path = edit.split()[-1]
+    wrong = [
+        'grep -rnF --include=*.py --exclude-dir=tests "def not_the_one" *',
+        show,
+        f"sed -i '{line}s|a|b|' {path}",
+    ]
+    assert grep != wrong[0] and show.startswith("cat -n") and path in show.split()
+    stages = expert.episode_stages(record, wrong)
+    assert stages == {"grep": False, "show": True, "edit_line": True, "fix": False, "submit": False}
+    assert not expert.episode_stages(record, [show.replace(path, path + "x")])["show"]
+    # a policy's edits may name a line past the end or hold garbled Python: no stage, no error
+    garbled = "python3 - <<'EOF'\np.write_text(t.replace(1, 2, 1))\nEOF"
+    for bad in (f"sed -i '999999s|a|b|' {path}", garbled):
+        assert not any(expert.episode_stages(record, [bad]).values())

@@ -184,6 +184,8 @@ def check_edit(command: str, buggy: str, fixed: str) -> bool:
     if m:
         n, pat, rep = int(m.group(1)), m.group(3), m.group(4)
         lines = _lines(buggy)
+        if not 1 <= n <= len(lines):  # a policy's edit can name any line
+            return False
         body = lines[n - 1].rstrip("\n")
         rep_py = rep.replace("\\&", "\0").replace("\\\\", "\\").replace("\0", "&")
         # the pattern is a sed basic regex whose only escapes are literal characters
@@ -194,8 +196,11 @@ def check_edit(command: str, buggy: str, fixed: str) -> bool:
         return "".join(lines) == fixed
     m = re.search(r"replace\((.*), 1\)\)\nEOF$", command, re.S)
     if m:
-        old, new = ast.literal_eval(f"({m.group(1)})")
-        return buggy.replace(old, new, 1) == fixed
+        try:
+            old, new = ast.literal_eval(f"({m.group(1)})")
+        except (ValueError, SyntaxError, TypeError):  # a policy's garbled edit
+            return False
+        return isinstance(old, str) and isinstance(new, str) and buggy.replace(old, new, 1) == fixed
     return False
 
 
@@ -642,6 +647,31 @@ def _warm_real_model(
         expected=f"about {minutes:.0f} min",
         log=log,
     )
+
+
+STAGES = ("grep", "show", "edit_line", "fix", "submit")
+"""How far an episode gets along the expert's path (`episode_stages`)."""
+
+
+def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str, bool]:
+    """Which of the expert's steps an episode's `commands` (in order) contain: `grep`, a grep
+    for the definition around the bug (the expert's anchor); `show`, a `cat -n` of the buggy
+    file; `edit_line`, a `sed -i` at the changed line of that file; `fix`, an edit that turns
+    the buggy file into the fixed one (`check_edit`); `submit`, the submission. Tells where a
+    policy's episodes break when none resolves."""
+    path = _source_file(record)
+    buggy, fixed = _files(record)
+    line = _changed_line(buggy, fixed)
+    anchor, _ = _anchor(buggy, line)
+    seen = dict.fromkeys(STAGES, False)
+    for c in commands:
+        seen["grep"] |= c.startswith("grep") and anchor in c.replace('\\"', '"')
+        seen["show"] |= c.startswith("cat -n") and path in c.split()
+        m = re.match(r"sed -i '(\d+)s", c)
+        seen["edit_line"] |= bool(m) and int(m.group(1)) == line and c.endswith(f" {path}")
+        seen["fix"] |= check_edit(c, buggy, fixed)
+        seen["submit"] |= SENTINEL in c
+    return seen
 
 
 TURNS = ("grep", "show", "edit", "test", "submit")
