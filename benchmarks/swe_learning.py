@@ -60,8 +60,11 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
     stopped after one, started afresh otherwise."""
     if (out / "bench.json").exists():
         return json.loads((out / "bench.json").read_text())
-    resume = (out / "checkpoints").exists()
-    if out.exists() and not resume:  # stopped before its first checkpoint: nothing to keep
+    if (out / "checkpoints").exists():  # the saved config.yaml holds every setting below
+        print(f"resuming {out}", flush=True)
+        cmd = [sys.executable, "-m", "agentree", "train", "--output", str(out), "--resume"]
+        return _finish(rollout, seed, out, cmd, resume=True)
+    if out.exists():  # stopped before its first checkpoint: nothing to keep
         shutil.rmtree(out)
     cmd = [
         sys.executable, "-m", "agentree", "train", "--config", args.config,
@@ -84,9 +87,12 @@ def run(rollout: str, seed: int, out: Path, args: argparse.Namespace, heldout: P
     ]
     for s in sets:
         cmd += ["--set", s]
-    if resume:  # the saved config.yaml holds every setting above
-        cmd = [sys.executable, "-m", "agentree", "train", "--output", str(out), "--resume"]
-        print(f"resuming {out}", flush=True)
+    return _finish(rollout, seed, out, cmd, resume=False)
+
+
+def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool) -> dict:
+    """Run `cmd` (an `agentree train` into `out`) while counting its containers, then read the
+    run directory into the benchmark's figures, kept in `out/bench.json`."""
     stop, peak = threading.Event(), [0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)

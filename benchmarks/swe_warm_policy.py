@@ -116,6 +116,7 @@ def stages(args: argparse.Namespace, trees: list[Path]) -> None:
     (`expert.episode_stages`), over every sampled episode (a root-to-leaf path)."""
     from agentree.envs.swe import parse_commands
     from agentree.swe.expert import STAGES, episode_stages
+    from agentree.tree import Tree
 
     records = {}
     for line in Path(args.tasks).read_text().splitlines():
@@ -124,15 +125,10 @@ def stages(args: argparse.Namespace, trees: list[Path]) -> None:
             records[r["instance_id"]] = r
     reached, episodes = Counter(), 0
     for f in trees:
-        tree = json.loads(f.read_text())
-        nodes = {n["id"]: n for n in tree["nodes"]}
-        for leaf in (n for n in tree["nodes"] if not n["children"] and n["parent"] is not None):
-            path, node = [], leaf
-            while node["parent"] is not None:
-                path.append(node)
-                node = nodes[node["parent"]]
-            commands = [c for n in reversed(path) for c in parse_commands(n.get("action") or "")]
-            got = episode_stages(records[tree["task_id"]], commands)
+        tree = Tree.load(f)
+        for leaf in tree.leaves():
+            commands = [c for n in tree.path(leaf.id) for c in parse_commands(n.action or "")]
+            got = episode_stages(records[tree.task_id], commands)
             reached.update(k for k, v in got.items() if v)
             episodes += 1
     print(

@@ -304,7 +304,7 @@ def one_thread() -> Iterator[None]:
     alone. Sums split across threads round differently, and the build amplifies that: the
     default FrozenLake warm start built on 2 threads put its most likely first move on a
     shortest path on 49.5% of 200 held-out maps, built on 1 thread 63.5%
-    (`first_move_skill`). One thread costs little at tiny size."""
+    (`first_move_skill`). One thread costs the default build about 90 s (3.5 min against 2)."""
     # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
     # this module
     import torch
