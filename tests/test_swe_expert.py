@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 from swe_support import assert_no_leftovers, require_docker
@@ -22,6 +23,24 @@ def test_one_line_fix_is_a_sed_on_that_line():
     assert command == "sed -i '2s|<=|<|' pkg/m.py"
     assert expert.check_edit(command, buggy, FIXED)
     assert not expert.check_edit(command, FIXED, buggy)
+
+
+def test_one_line_fix_as_the_whole_new_line(tmp_path):
+    buggy = FIXED.replace("n < 0", "n <= 0")
+    (command,) = parse_commands(expert.fix_action("pkg/m.py", buggy, FIXED, edit="line"))
+    assert command == "sed -i '2c\\    if n < 0:' pkg/m.py"
+    assert expert.check_edit(command, buggy, FIXED)
+    assert not expert.check_edit(command, FIXED.replace("n + 1", "n"), FIXED)
+    assert not expert.check_edit(command.replace("'2c", "'9c"), buggy, FIXED)  # past the end
+    # GNU sed does what check_edit replays, leading blanks included
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/m.py").write_text(buggy)
+    subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True)
+    assert (tmp_path / "pkg/m.py").read_text() == FIXED
+    # a quote or a backslash in the new line would need escaping: the changed words instead
+    buggy, fixed = "x = f('a', 1)\n", "x = f('a', 2)\n"
+    (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed, edit="line"))
+    assert command == "sed -i '1s|1)|2)|' m.py"
 
 
 def test_sed_delimiter_avoids_the_characters_of_the_line():
@@ -143,10 +162,11 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
     first = convs[0]
     assert [m["role"] for m in first] == ["user"] + ["assistant", "user"] * 4 + ["assistant"]
     assert parse_commands(first[-1]["content"]) == [f"echo {SENTINEL}"]
-    policy = expert.expert_policy(records, misses=1)  # a wrong edit, tested and undone first
     env = SWEEnv(step_limit=9, prewarm=0)
-    try:
-        for rec in records:
+    try:  # the off-by-one also with its fix (and the wrong edit) written as the whole line
+        for rec, edit in [(records[0], "sed"), (records[1], "sed"), (records[1], "line")]:
+            # a wrong edit, tested and undone first
+            policy = expert.expert_policy(records, misses=1, edit=edit)
             task = SWEEnv.task_from_record(rec)
             task = Task(task.id, None, task.options)
             obs, _ = env.reset(options=task.options)
@@ -161,7 +181,7 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
             assert reward == 1.0, info["grading"]["reason"]
             # grep, cat, miss, tests, undo, fix, tests, submit: the expert's grep, `cat -n` and
             # undo observations are exactly what the container printed
-            conv = expert.trajectory(rec, misses=1)
+            conv = expert.trajectory(rec, misses=1, edit=edit)
             assert conv is not None and len(outputs) == len(conv) // 2 == 8
             assert [conv[k]["content"] for k in (2, 4, 10)] == [outputs[k] for k in (0, 1, 4)]
             assert " failed, " in outputs[3] and "<returncode>0<" in outputs[3]

@@ -90,6 +90,12 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
     warm.add_argument("--max-length", type=int, help="tokens kept per trajectory")
     warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
     warm.add_argument(
+        "--edit",
+        choices=["sed", "line"],
+        help="how the expert writes one-line fixes: sed s|old|new| (the tiny policy's default) "
+        "or the whole new line, sed Nc\\ (the default with --policy)",
+    )
+    warm.add_argument(
         "--micro-batch-size", type=int, help="trajectories forwarded together (0: the batch)"
     )
     warm.add_argument("--seed", type=int, default=0, help="weights and example order")
@@ -210,6 +216,7 @@ def warm_command(args: argparse.Namespace) -> int:
         "max_length": args.max_length,
         "epochs": args.epochs,
         "micro_batch_size": args.micro_batch_size,
+        "edit": args.edit,
     }
     if args.policy:  # a pretrained model: its own learning rate, and it copies names already
         chosen = {**REAL_MODEL_WARM, **{k: v for k, v in chosen.items() if v is not None}}
@@ -230,20 +237,22 @@ def warm_command(args: argparse.Namespace) -> int:
 
 
 REAL_MODEL_WARM = {
-    "lr": 5e-5,
+    "lr": 1e-4,
     "epochs": 1,
     "batch_size": 4,
     "micro_batch_size": 1,
     "renamed_copies": 0,
     "max_trajectories": 176,
     "max_length": 2048,
+    "edit": "line",
 }
 """`swe warm --policy MODEL` defaults: a pretrained model's learning rate, no renamed copies
 (it copies names from context already), one pass over one trajectory per train task, cut at
 2048 tokens, one trajectory forwarded at a time (no padding; SmolLM2-135M holds about 6 GB
-where four at once held 16-22 GB). Measured for SmolLM2-135M on the 176 generated train tasks:
-44 steps of about 64 s on 2 quiet cores, 57 min in all with a test run sharing the cores for
-13 of them."""
+where four at once held 16-22 GB), one-line fixes written as the whole new line. Measured for
+SmolLM2-135M on the 176 generated train tasks: 44 steps of about 64 s on 2 quiet cores. With
+lr 5e-5 and `s|old|new|` edits it copied the listing's path and line but garbled every edit
+(docs/swe_generated.md), hence lr 1e-4 and whole-line edits."""
 
 
 def cleanup_command(args: argparse.Namespace) -> int:

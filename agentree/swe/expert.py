@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -113,9 +113,17 @@ def _lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)
 
 
-def fix_action(path: str, buggy: str, fixed: str) -> str:
+EDITS = ("sed", "line")
+"""How the expert writes a one-line fix: `sed`, the changed words (`sed -i 'Ns|old|new|'`);
+`line`, the whole new line (`sed -i 'Nc\\NEW LINE'`), which copies the listing's `N<tab>LINE`
+and changes a word of it: what a pretrained model, which copies well, learns from fewer
+examples."""
+
+
+def fix_action(path: str, buggy: str, fixed: str, edit: str = "sed") -> str:
     """A command that turns `buggy` into `fixed`: sed for a one-line change (`s|old|new|`, or
-    `s/old/new/` when the line holds a `|`), python otherwise."""
+    `s/old/new/` when the line holds a `|`; with `edit="line"`, `Nc\\` and the new line when it
+    holds no quote or backslash), python otherwise."""
     a, b = _lines(buggy), _lines(fixed)
     ops = [op for op in difflib.SequenceMatcher(a=a, b=b).get_opcodes() if op[0] != "equal"]
     if (
@@ -125,6 +133,8 @@ def fix_action(path: str, buggy: str, fixed: str) -> str:
     ):
         _, i, _, j, _ = ops[0]
         old, new = a[i].rstrip("\n"), b[j].rstrip("\n")
+        if edit == "line" and new.strip() and not set("'\\") & set(new):
+            return _action(THOUGHTS["sed"], f"sed -i '{i + 1}c\\{new}' {path}")
         lo, hi = _core(old, new)
         sep = next((c for c in "|/" if c not in old + new), None)
         if sep and "'" not in old[lo:] + new[lo:]:
@@ -179,6 +189,13 @@ def _action(thought: str, command: str) -> str:
 
 def check_edit(command: str, buggy: str, fixed: str) -> bool:
     """Replay an edit command's effect in Python: does it turn `buggy` into `fixed`?"""
+    m = re.fullmatch(r"sed -i '(\d+)c\\([^'\\]*)' \S+", command)
+    if m:  # GNU sed keeps the new line's leading blanks after `c\`
+        n, lines = int(m.group(1)), _lines(buggy)
+        if not 1 <= n <= len(lines):
+            return False
+        lines[n - 1] = m.group(2) + "\n"
+        return "".join(lines) == fixed
     part = r"((?:(?!\2)[^\\]|\\.)*)"
     m = re.fullmatch(rf"sed -i '(\d+)s([/|]){part}\2{part}\2' \S+", command)
     if m:
@@ -275,7 +292,7 @@ def _window(buggy: str, start: int, line: int) -> tuple[int, str]:
 
 
 def _misses(
-    path: str, buggy: str, fixed: str, window: range, n: int, rng: random.Random
+    path: str, buggy: str, fixed: str, window: range, n: int, rng: random.Random, edit: str
 ) -> list[str]:
     """`n` wrong one-line edits on lines of `window`: injected-bug mutations of the buggy file
     (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites."""
@@ -283,7 +300,7 @@ def _misses(
     for m in mutations(path, buggy):
         if m.source == fixed or m.line not in window or m.kind.startswith("drop"):
             continue
-        action = fix_action(path, buggy, m.source)
+        action = fix_action(path, buggy, m.source, edit)
         if parse_commands(action)[0].startswith("sed -i"):
             out.append(action)
     rng.shuffle(out)
@@ -297,6 +314,7 @@ def trajectory(
     misses: int = 0,
     give_up: bool = False,
     rng: random.Random | None = None,
+    edit: str = "sed",
 ) -> list[dict[str, str]] | None:
     """The expert's conversation on a generated task (None when its edit cannot be checked).
 
@@ -304,13 +322,14 @@ def trajectory(
     tests, submit: each command's path and line numbers appear in an earlier observation.
     Before the fix come `misses` wrong one-line edits on lines of the listing, each tested
     (the tests fail) and undone with `git checkout`; with `give_up` the expert submits after
-    them without fixing anything, so the policy resolves some tasks but not all.
+    them without fixing anything, so the policy resolves some tasks but not all. `edit` is how
+    one-line edits are written (`EDITS`).
     """
     rng = rng or random.Random(0)
     path = _source_file(record)
     buggy, fixed = _files(record)
-    edit = fix_action(path, buggy, fixed)
-    command = edit.split("```bash\n", 1)[1].rsplit("\n```", 1)[0]
+    fix = fix_action(path, buggy, fixed, edit)
+    command = fix.split("```bash\n", 1)[1].rsplit("\n```", 1)[0]
     if not check_edit(command, buggy, fixed):
         return None
     line = _changed_line(buggy, fixed)
@@ -332,13 +351,13 @@ def trajectory(
         (_action(THOUGHTS["show"], _show(path, first)), shown),
     ]
     window = range(first, first + WINDOW)
-    wrong = _misses(path, buggy, fixed, window, misses, rng) if misses else []
+    wrong = _misses(path, buggy, fixed, window, misses, rng, edit) if misses else []
     for k, miss in enumerate(wrong):
         steps += [(miss, ""), (_action(THOUGHTS["test"], TEST_RUN), _pytest_tail(tests, f2p))]
         if k + 1 < len(wrong) or not give_up:
             steps.append((_action(THOUGHTS["undo"], _undo(path)), ""))
     if not (give_up and wrong):
-        steps += [(edit, ""), (_action(THOUGHTS["test"], TEST_RUN), _pytest_tail(tests))]
+        steps += [(fix, ""), (_action(THOUGHTS["test"], TEST_RUN), _pytest_tail(tests))]
     msgs = [{"role": "user", "content": first_prompt}]
     for action, output in steps:
         msgs.append({"role": "assistant", "content": action})
@@ -463,6 +482,7 @@ def conversations(
     tries: int = 1,
     seed: int = 0,
     renamed_copies: int = 0,
+    edit: str = "sed",
 ) -> list[list[dict[str, str]]]:
     """`per_task` expert conversations per record, plus `renamed_copies` of each with the
     repository's identifiers made up anew (`renamed`).
@@ -476,7 +496,7 @@ def conversations(
     for r in records:
         for _ in range(per_task):
             m = rng.randint(0, tries) if tries > 1 else 0
-            t = trajectory(r, misses=m, give_up=m == tries, rng=rng)
+            t = trajectory(r, misses=m, give_up=m == tries, rng=rng, edit=edit)
             if t is not None:
                 out.append(t)
                 out += [renamed(t, names[r["repo"]], rng) for _ in range(renamed_copies)]
@@ -489,19 +509,25 @@ def write_trajectories(
     """Chat JSONL of the expert on `records` (as `warm_policy` sees them); returns (written,
     tasks skipped)."""
     cfg = cfg or WarmConfig()
-    rows = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies)
+    rows = _conversations(records, cfg)
     output.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     return len(rows), len(records) - len(rows) // (cfg.per_task * (1 + cfg.renamed_copies))
 
 
+def _conversations(
+    records: Sequence[dict[str, Any]], cfg: WarmConfig
+) -> list[list[dict[str, str]]]:
+    return conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies, cfg.edit)
+
+
 def expert_policy(
-    records: Sequence[dict[str, Any]], misses: int = 0
+    records: Sequence[dict[str, Any]], misses: int = 0, edit: str = "sed"
 ) -> Callable[[Any, Sequence[tuple[str, str]]], str]:
     """A scripted policy replaying the expert's actions (for checking them in Docker)."""
     by_id = {r["instance_id"]: r for r in records}
 
     def act(task: Any, history: Sequence[tuple[str, str]]) -> str:
-        msgs = trajectory(by_id[task.id], misses=misses) or []
+        msgs = trajectory(by_id[task.id], misses=misses, edit=edit) or []
         actions = [m["content"] for m in msgs if m["role"] == "assistant"]
         return actions[min(len(history), len(actions) - 1)]
 
@@ -557,6 +583,19 @@ class WarmConfig(BaseModel):
     token budget that makes a real model's fine-tune fit a CPU."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank for a real base model (merged into the saved weights); 0 trains all weights."""
+    edit: Literal["sed", "line"] = "sed"
+    """How the expert writes one-line edits (`EDITS`); kept in the checkpoint
+    (`WARM_CONFIG`) so the per-turn match compares the policy with the expert it learned."""
+
+
+WARM_CONFIG = "swe_warm.json"
+"""The `WarmConfig` a warm SWE policy was made with, saved in its checkpoint directory."""
+
+
+def edit_style(policy: str | Path) -> str:
+    """How the expert a warm policy learned from wrote its edits (`sed` when not recorded)."""
+    saved = Path(policy) / WARM_CONFIG
+    return WarmConfig.model_validate_json(saved.read_text()).edit if saved.is_file() else "sed"
 
 
 TRAINED_TOKENS_PER_S = 100.0
@@ -575,7 +614,7 @@ def warm_policy(
     """Build (or reuse) the SWE policy fine-tuned on the expert's trajectories: the tiny one
     built from them, or `cfg.base` (a real model)."""
     cfg = cfg or WarmConfig()
-    convs = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies)
+    convs = _conversations(records, cfg)
     if not convs:
         raise ValueError("no expert trajectory could be made from these tasks")
     if len(convs) > cfg.max_trajectories:
@@ -598,6 +637,7 @@ def warm_policy(
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
         run_sft(base, convs, tmp, sft, system=system, log=log)
         shutil.rmtree(tmp / "base")
+        (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
     return build_once(
         target,
@@ -640,9 +680,14 @@ def _warm_real_model(
         max_length=cfg.max_length,
         lora_r=cfg.lora_r,
     )
+
+    def write(tmp: Path) -> None:
+        run_sft(base, convs, tmp, sft, system=system, log=log)
+        (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
+
     return build_once(
         target,
-        lambda tmp: run_sft(base, convs, tmp, sft, system=system, log=log),
+        write,
         what=f"SWE warm policy ({cfg.base} on {len(convs)} trajectories)",
         expected=f"about {minutes:.0f} min",
         log=log,
@@ -656,9 +701,9 @@ STAGES = ("grep", "show", "edit_line", "fix", "submit")
 def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str, bool]:
     """Which of the expert's steps an episode's `commands` (in order) contain: `grep`, a grep
     for the definition around the bug (the expert's anchor); `show`, a `cat -n` of the buggy
-    file; `edit_line`, a `sed -i` at the changed line of that file; `fix`, an edit that turns
-    the buggy file into the fixed one (`check_edit`); `submit`, the submission. Tells where a
-    policy's episodes break when none resolves."""
+    file; `edit_line`, a `sed -i` (`s` or `c`) at the changed line of that file; `fix`, an edit
+    that turns the buggy file into the fixed one (`check_edit`); `submit`, the submission.
+    Tells where a policy's episodes break when none resolves."""
     path = _source_file(record)
     buggy, fixed = _files(record)
     line = _changed_line(buggy, fixed)
@@ -667,7 +712,7 @@ def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str,
     for c in commands:
         seen["grep"] |= c.startswith("grep") and anchor in c.replace('\\"', '"')
         seen["show"] |= c.startswith("cat -n") and path in c.split()
-        m = re.match(r"sed -i '(\d+)s", c)
+        m = re.match(r"sed -i '(\d+)[sc]", c)
         seen["edit_line"] |= bool(m) and int(m.group(1)) == line and c.endswith(f" {path}")
         seen["fix"] |= check_edit(c, buggy, fixed)
         seen["submit"] |= SENTINEL in c
@@ -699,8 +744,9 @@ def _answers(
     system = env.system_prompt
     env.close()
     torch.manual_seed(seed)
+    edit = edit_style(policy)
     for record in records:
-        conv = trajectory(record)
+        conv = trajectory(record, edit=edit)
         if conv is None:
             continue
         ids = chat.prompt_ids(conv[0]["content"], system)
