@@ -152,6 +152,32 @@ def test_expert_tries_wrong_edits_undoes_them_and_sometimes_gives_up():
         assert ("failed" in obs[-1]) == gave_up
 
 
+def test_whole_line_misses_change_the_faulty_line_and_the_fix_rewrites_it():
+    """With `edit="line"` the wrong edits are changes of the faulty line (where it has any),
+    none is undone, and replaying every edit of a trajectory in order leaves the fixed file."""
+    records = _records(["durations", "roman", "semver"], 40)
+    convs = expert.conversations(records, per_task=1, tries=3, seed=1, edit="line")
+    same_line = 0
+    for record, conv in zip(records, convs, strict=True):
+        buggy, fixed = expert._files(record)
+        line = expert._changed_line(buggy, fixed)
+        cmds = [parse_commands(m["content"])[0] for m in conv[1::2]]
+        edits = [c for c in cmds if c.startswith("sed -i")]
+        if not edits or not all(c.startswith(f"sed -i '{line}c\\") for c in edits):
+            continue
+        same_line += 1
+        assert not any(c.startswith("git checkout") for c in cmds)
+        text = buggy
+        for c in edits:  # each whole-line edit replaces the line the previous one wrote
+            lines = text.splitlines(keepends=True)
+            lines[line - 1] = c.split("c\\", 1)[1].rsplit("' ", 1)[0] + "\n"
+            text = "".join(lines)
+        gave_up = "failed" in conv[-2]["content"]
+        assert (text == fixed) != gave_up
+        assert expert.check_edit(edits[-1], buggy, fixed) != gave_up
+    assert same_line > 0.6 * len(convs)
+
+
 @pytest.mark.docker
 def test_expert_trajectories_replay_in_docker_and_resolve():
     require_docker()
@@ -163,10 +189,11 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
     assert [m["role"] for m in first] == ["user"] + ["assistant", "user"] * 4 + ["assistant"]
     assert parse_commands(first[-1]["content"]) == [f"echo {SENTINEL}"]
     env = SWEEnv(step_limit=9, prewarm=0)
-    try:  # the off-by-one also with its fix (and the wrong edit) written as the whole line
+    # the off-by-one also with its edits written as whole lines: the wrong one is then a change
+    # of the faulty line, rewritten by the fix rather than undone
+    try:
         for rec, edit in [(records[0], "sed"), (records[1], "sed"), (records[1], "line")]:
-            # a wrong edit, tested and undone first
-            policy = expert.expert_policy(records, misses=1, edit=edit)
+            policy = expert.expert_policy(records, misses=1, edit=edit)  # a wrong edit first
             task = SWEEnv.task_from_record(rec)
             task = Task(task.id, None, task.options)
             obs, _ = env.reset(options=task.options)
@@ -179,14 +206,20 @@ def test_expert_trajectories_replay_in_docker_and_resolve():
                 history.append((action, obs))
                 done = term or trunc
             assert reward == 1.0, info["grading"]["reason"]
-            # grep, cat, miss, tests, undo, fix, tests, submit: the expert's grep, `cat -n` and
-            # undo observations are exactly what the container printed
+            # grep, cat, miss, tests, [undo,] fix, tests, submit: the expert's grep, `cat -n`,
+            # edit and undo observations are exactly what the container printed
             conv = expert.trajectory(rec, misses=1, edit=edit)
-            assert conv is not None and len(outputs) == len(conv) // 2 == 8
-            assert [conv[k]["content"] for k in (2, 4, 10)] == [outputs[k] for k in (0, 1, 4)]
+            undo = edit == "sed"
+            assert conv is not None and len(outputs) == len(conv) // 2 == 7 + undo
+            same = (2, 4, 6, 10)  # grep, cat, the miss, and the undo or the fix
+            assert [conv[k]["content"] for k in same] == [outputs[k // 2 - 1] for k in same]
             assert " failed, " in outputs[3] and "<returncode>0<" in outputs[3]
             tests = len(json.loads(rec["FAIL_TO_PASS"])) + len(json.loads(rec["PASS_TO_PASS"]))
-            assert f"{tests} passed" in outputs[6]
+            assert f"{tests} passed" in outputs[-2]
+            commands = [parse_commands(m["content"])[0] for m in conv[1::2]]
+            assert any(c.startswith("git checkout") for c in commands) == undo
+            if not undo:
+                assert commands[2].split("c\\")[0] == commands[4].split("c\\")[0]  # one line
     finally:
         env.close()
     assert_no_leftovers(allow_spares=True)
