@@ -4,7 +4,9 @@ Runs `agentree train --env swebench` from the warm SWE policy once per (rollout,
 subprocess, exactly as a user would, with a held-out evaluation after every step. While a run
 goes, the Docker daemon is polled for the containers that process owns (peak container count).
 Afterwards each run directory gives: held-out resolved rate per step against cumulative env
-steps, forks, scorer calls, and sandbox seconds per env step (from the saved trees).
+steps, the steps whose training episodes resolved a task (non-zero reward) and the updates that
+changed the weights (non-zero gradient), forks, scorer calls, and sandbox seconds per env step
+(from the saved trees).
 
 Sized for a 2-core machine by default (one task per step, small trees, short episodes); the
 knobs are flags and `--set` overrides. With `--keep DIR` a run is resumable: a finished run
@@ -106,9 +108,12 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps, curve, env_steps = 0, [], 0.0
     totals = {"forks": 0.0, "scorer_calls": 0.0, "env_steps": 0.0, "train_s": 0.0}
+    rewarded = updates = 0  # steps whose episodes resolved something; whose update moved weights
     for r in rows:
         if "rollout/env_steps" in r:
             steps += 1
+            rewarded += r.get("train/success_rate", 0.0) > 0
+            updates += r.get("train/grad_norm", 0.0) > 0
             totals["train_s"] += r.get("time/step_s", 0.0)
             env_steps += r["rollout/env_steps"]
             totals["env_steps"] += r["rollout/env_steps"]
@@ -123,6 +128,9 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
         "wall_s": round(wall, 1),  # of this process only, when resumed
         "resumed": resume,
         "curve": curve,
+        "steps": steps,
+        "rewarded_steps": rewarded,
+        "updates": updates,
         **totals,
         "sandbox_s_per_env_step": sandbox,
         "peak_containers": peak[0],
@@ -186,13 +194,15 @@ def main() -> None:
             ]
             results = [f.result() for f in futures]
     head = f"{'rollout':>7} {'seed':>4} {'wall':>6} {'env steps':>9} {'forks':>5} {'scorer':>6}"
-    print(head + f" {'sandbox/step':>12} {'containers':>10}  held-out resolved (env steps: %)")
+    head += f" {'rewarded':>8} {'updates':>7} {'sandbox/step':>12} {'containers':>10}"
+    print(head + "  held-out resolved (env steps: %)")
     for r in results:
         curve = " ".join(f"{s}:{100 * v:.0f}%" for s, v, _ in r["curve"])
         sb = r["sandbox_s_per_env_step"]
         print(
             f"{r['rollout']:>7} {r['seed']:>4} {r['wall_s']:>5.0f}s {r['env_steps']:>9.0f} "
             f"{r['forks']:>5.0f} {r['scorer_calls']:>6.0f} "
+            f"{r.get('rewarded_steps', '?'):>8} {r.get('updates', '?'):>7} "
             f"{'-' if sb is None else f'{sb:.2f}s':>12} {r['peak_containers']:>10}  {curve}"
         )
     if args.json:

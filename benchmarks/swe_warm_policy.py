@@ -149,7 +149,25 @@ def evaluate_chunk(args: argparse.Namespace, lines: list[str], where: Path) -> N
     ]  # fmt: skip
     for s in args.set:
         cmd += ["--set", s]
-    subprocess.run(cmd, check=True)
+    run_child(cmd)
+
+
+def run_child(cmd: list[str]) -> None:
+    """Run `cmd` to the end. On Ctrl-C, which the child gets too (same process group), wait for
+    it to remove its containers: `subprocess.run` would SIGKILL it after a quarter second and
+    leave them running."""
+    proc = subprocess.Popen(cmd)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait()
+        raise
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, cmd)
 
 
 if __name__ == "__main__":
