@@ -175,7 +175,11 @@ def main() -> None:
     ap.add_argument("--step-limit", type=int, default=12, help="actions per episode")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per action")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
-    ap.add_argument("--parallel", action="store_true", help="run all (rollout, seed) at once")
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run all (rollout, seed) at once (two SmolLM2 runs need more than 23 GB of memory)",
+    )
     ap.add_argument("--keep", help="keep run directories under this folder")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
