@@ -91,7 +91,7 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
     warm.add_argument("--epochs", type=int, help="fine-tuning epochs")
     warm.add_argument(
         "--edit",
-        choices=["sed", "line"],
+        choices=expert.EDITS,
         help="how the expert writes one-line fixes: sed s|old|new| (the tiny policy's default) "
         "or the whole new line, sed Nc\\ (the default with --policy)",
     )
@@ -250,7 +250,8 @@ REAL_MODEL_WARM = {
 (it copies names from context already), one pass over one trajectory per train task, cut at
 2048 tokens, one trajectory forwarded at a time (no padding; SmolLM2-135M holds about 6 GB
 where four at once held 16-22 GB), one-line fixes written as the whole new line. Measured for
-SmolLM2-135M on the 176 generated train tasks: 44 steps of about 64 s on 2 quiet cores. With
+SmolLM2-135M on the 176 generated train tasks: 44 steps of about 27 s on 2 quiet cores (64 s
+in earlier runs of the same settings, unexplained). With
 lr 5e-5 and `s|old|new|` edits it copied the listing's path and line but garbled every edit
 (docs/swe_generated.md), hence lr 1e-4 and whole-line edits."""
 

@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -113,7 +113,8 @@ def _lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)
 
 
-EDITS = ("sed", "line")
+Edit = Literal["sed", "line"]
+EDITS: tuple[str, ...] = get_args(Edit)
 """How the expert writes a one-line fix: `sed`, the changed words (`sed -i 'Ns|old|new|'`);
 `line`, the whole new line (`sed -i 'Nc\\NEW LINE'`), which copies the listing's `N<tab>LINE`
 and changes a word of it: what a pretrained model, which copies well, learns from fewer
@@ -600,7 +601,7 @@ class WarmConfig(BaseModel):
     token budget that makes a real model's fine-tune fit a CPU."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank for a real base model (merged into the saved weights); 0 trains all weights."""
-    edit: Literal["sed", "line"] = "sed"
+    edit: Edit = "sed"
     """How the expert writes one-line edits (`EDITS`); kept in the checkpoint
     (`WARM_CONFIG`) so the per-turn match compares the policy with the expert it learned."""
 
