@@ -1,16 +1,19 @@
-"""What a tiny FrozenLake policy learns from scripted demonstrations, as it trains.
+"""What a tiny FrozenLake or Sokoban policy learns from scripted demonstrations, as it trains.
 
 Fine-tunes the locally built tiny policy on the noisy BFS expert's demonstrations (the data
 `tiny-warm` is built from) with the same loss as `agentree sft`, and every `--eval-every` steps
-reports its first-move accuracy on held-out 4x4 maps: the share of maps where its most likely
-move is a shortest-path move (`top1`), and the probability it puts on shortest-path moves
-(`p_best`), against about 31% / 32% for a policy that knows only which moves stay on the map.
+reports its first-move accuracy on held-out 4x4 maps (or 6x6 Sokoban rooms with `--env sokoban`):
+the share of maps where its most likely move is a shortest-path move (`top1`), and the
+probability it puts on shortest-path moves (`p_best`), against about 31% / 32% for a FrozenLake
+policy that knows only which moves stay on the map and about 27% for a Sokoban policy that
+knows nothing (`agentree.models.warm.first_move_skill`).
 At the end it can sample whole episodes (`--episodes-sampled`, temperature 1 over the four
 moves) for the held-out success rate.
 
     python benchmarks/warm_probe.py --demos 8000 --first-turn --batch 32 --lr 3e-3
     python benchmarks/warm_probe.py --demos 8000 --first-turn --instructions
     python benchmarks/warm_probe.py --demos 2000 --epochs 3 --expert-prob 1.0 --episodes-sampled 4
+    python benchmarks/warm_probe.py --env sokoban --demos 2400 --expert-prob 0.9 --layers 4
 
 `--first-turn` keeps only each demonstration's first move (a prompt holding one map);
 otherwise whole episodes are used, as `tiny-warm` does. `--instructions` puts the env's system
@@ -30,6 +33,7 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
     ap.add_argument("--demos", type=int, default=8000, help="demonstration episodes")
     ap.add_argument("--expert-prob", type=float, default=1.0, help="expert's share of moves")
     ap.add_argument("--first-turn", action="store_true", help="train on first moves only")
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--layers", type=int, default=2, help="tiny model depth")
+    ap.add_argument("--hidden", type=int, default=128, help="tiny model width")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     ap.add_argument("--eval-every", type=int, default=50, help="optimiser steps between probes")
     ap.add_argument("--probe-maps", type=int, default=200, help="held-out maps probed")
@@ -50,20 +55,28 @@ def main() -> None:
 
     from agentree.chat import ChatFormat
     from agentree.engines.hf import load_policy
-    from agentree.envs.frozenlake import FrozenLakeEnv
+    from agentree.envs.base import env_class
     from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
     from agentree.models.warm import WarmConfig, demonstrations, first_move_skill
     from agentree.sft import SFTExample, example_from_messages, sft_loss, sft_lr
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    env_kwargs = {"size": 4, "p": 0.8, "max_turns": 10, "invalid_penalty": 0.1}
-    shape = TinyModelConfig(vocab_size=160, num_layers=args.layers)
+    env_kwargs: dict = {}
+    if args.env == "frozenlake":
+        env_kwargs = {"size": 4, "p": 0.8, "max_turns": 10, "invalid_penalty": 0.1}
+    shape = TinyModelConfig(
+        vocab_size=160,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+    )
     model, tokenizer = load_policy(
-        tiny_policy_for_env("frozenlake", env_kwargs, shape), dtype="float32", device="cpu"
+        tiny_policy_for_env(args.env, env_kwargs, shape), dtype="float32", device="cpu"
     )
     chat = ChatFormat(tokenizer)
-    env = FrozenLakeEnv(**env_kwargs)
+    cls = env_class(args.env)
+    env = cls(**env_kwargs)
     prefix: list[int] = []
     if args.instructions:
         prefix = chat.encode(f"<|im_start|>system\n{env.system_prompt}<|im_end|>\n")
@@ -72,14 +85,14 @@ def main() -> None:
         return prefix + chat.prompt_ids(obs)
 
     warm = WarmConfig(expert_prob=args.expert_prob, episodes=args.demos)
-    convs = demonstrations("frozenlake", env_kwargs, warm)
+    convs = demonstrations(args.env, env_kwargs, warm)
     if args.first_turn:
         convs = [c[:2] for c in convs]
     data = []
     for c in convs:
         e = example_from_messages(chat, c)
         data.append(SFTExample(prefix + e.token_ids, [0] * len(prefix) + e.loss_mask))
-    held_out = FrozenLakeEnv.load_tasks(args.probe_maps, seed=0, split="eval")
+    held_out = cls.load_tasks(args.probe_maps, seed=0, split="eval")
 
     def probe() -> tuple[float, float]:
         model.eval()

@@ -205,6 +205,22 @@ def solve_moves(room: dict[str, Any], limit: int = 200_000) -> list[str] | None:
     return None
 
 
+def shortest_first_moves(room: dict[str, Any]) -> list[str]:
+    """The moves (e.g. ["Up"]) that begin some shortest solution of `room`: those after which
+    a solution one move shorter exists. Empty when `room` is solved or cannot be solved."""
+    plan = solve_moves(room)
+    if not plan:
+        return []
+    walls, targets, boxes, player = _parts(room)
+    out = []
+    for name, (p, bx) in _successors(walls, player, boxes):
+        after = {**room, "player": list(p), "boxes": sorted(map(list, bx))}
+        rest = [] if bx == targets else solve_moves(after)
+        if rest is not None and len(rest) == len(plan) - 1:
+            out.append(name)
+    return out
+
+
 def _successors(walls: set[Cell], player: Cell, boxes: frozenset[Cell]):
     for name, (dr, dc) in MOVES.items():
         nxt = (player[0] + dr, player[1] + dc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentree.envs import check_env, make_env
-from agentree.envs.sokoban import SokobanEnv, solve_moves, solve_pushes
+from agentree.envs.sokoban import SokobanEnv, shortest_first_moves, solve_moves, solve_pushes
 from agentree.scorers import make_scorer
 from agentree.tree import Node
 
@@ -58,6 +58,18 @@ def test_bfs_solver_counts_pushes_and_moves():
     assert len(solve_moves(back)) == 1 + 3 + 2
 
 
+def test_shortest_first_moves_are_every_move_that_starts_a_shortest_solution():
+    assert shortest_first_moves(ROOM) == ["Right"]
+    back = {**ROOM, "boxes": [[1, 3]], "targets": [[1, 1]], "player": [1, 2]}
+    assert shortest_first_moves(back) == ["Down"]  # the only way round the box
+    # from below-left of the push cell (1, 2): Up then Right, or Right then Up, 4 moves each
+    two = {**ROOM, "boxes": [[1, 3]], "player": [2, 1]}
+    assert len(solve_moves(two)) == 4
+    assert shortest_first_moves(two) == ["Up", "Right"]
+    stuck = {**ROOM, "boxes": [[1, 3]], "targets": [[2, 3]], "player": [2, 1]}
+    assert shortest_first_moves(stuck) == []
+
+
 def test_generated_rooms_are_solvable_deterministic_and_split_apart():
     env = make_env("sokoban")
     train = SokobanEnv.load_tasks(20, split="train")
@@ -101,7 +113,12 @@ def test_sokoban_scorer_is_one_minus_pushes_left_over_pushes_at_start():
 
 
 def test_scripted_expert_and_walker_bracket_the_task():
-    from agentree.models.warm import WarmConfig, demonstrations, sokoban_walker_success
+    from agentree.models.warm import (
+        WarmConfig,
+        demonstrations,
+        single_turns,
+        sokoban_walker_success,
+    )
 
     tasks = SokobanEnv.load_tasks(16, split="eval")
     expert = sokoban_walker_success({}, tasks, samples=2, expert_prob=1.0)
@@ -112,3 +129,8 @@ def test_scripted_expert_and_walker_bracket_the_task():
     for conv in convs:  # user/assistant turns, every action a well-formed move
         assert conv[0]["role"] == "user" and conv[-1]["role"] == "assistant"
         assert all(m["content"].startswith("```") for m in conv[1::2])
+    # the first phase's single turns: each room the expert saw, with the move it made there
+    singles = single_turns(convs)
+    assert len(singles) == sum(len(c) // 2 for c in convs)
+    assert singles[0] == convs[0][:2] and singles[1] == convs[0][2:4]
+    assert all([m["role"] for m in s] == ["user", "assistant"] for s in singles)
