@@ -211,11 +211,10 @@ def shortest_first_moves(room: dict[str, Any]) -> list[str]:
     plan = solve_moves(room)
     if not plan:
         return []
-    walls, targets, boxes, player = _parts(room)
+    walls, _targets, boxes, player = _parts(room)
     out = []
     for name, (p, bx) in _successors(walls, player, boxes):
-        after = {**room, "player": list(p), "boxes": sorted(map(list, bx))}
-        rest = [] if bx == targets else solve_moves(after)
+        rest = solve_moves({**room, "player": list(p), "boxes": sorted(map(list, bx))})
         if rest is not None and len(rest) == len(plan) - 1:
             out.append(name)
     return out

@@ -146,11 +146,12 @@ def test_warm_start_reads_the_room_and_samples_less_than_it_knows():
     chance on both."""
     from agentree.chat import ChatFormat
     from agentree.engines.hf import load_policy
-    from agentree.models.warm import first_move_skill, warm_policy_for_env
+    from agentree.models.warm import first_move_skill
+    from agentree.policy import resolve_policy
 
     cfg = load_config("sokoban_patr")
-    name, kwargs = cfg.component("env")
-    path = warm_policy_for_env(name, kwargs, cfg.policy.tiny, cfg.policy.warm, log=lambda _: None)
+    _, kwargs = cfg.component("env")
+    path = resolve_policy(cfg, log=lambda _: None)  # what a run of the config starts from
     model, tokenizer = load_policy(path, dtype="float32", device="cpu")
     rooms = SokobanEnv.load_tasks(100, split="eval")
     skill = first_move_skill(model, ChatFormat(tokenizer), SokobanEnv(**kwargs), rooms)
