@@ -221,6 +221,8 @@ class Trainer:
             self._pending = (pending, self.step)
         metrics = self._rollout_metrics(trees, trajs, stats)
         metrics["train/groups_dropped"] = dropped
+        # groups whose rewards differ: the only ones a group-relative advantage learns from
+        metrics["train/groups_informative"] = sum(len({t.reward for t in ts}) > 1 for ts in trajs)
         metrics["train/staleness"] = float(staleness)
         metrics["time/rollout_s"] = t_roll
         if tc.trees_every and (self.step + 1) % tc.trees_every == 0:

@@ -5,8 +5,9 @@ subprocess, exactly as a user would, with a held-out evaluation after every step
 goes, the Docker daemon is polled for the containers that process owns (peak container count).
 Afterwards each run directory gives: held-out resolved rate per step against cumulative env
 steps, the steps whose training episodes resolved a task (non-zero reward) and the updates that
-changed the weights (non-zero gradient), forks, scorer calls, and sandbox seconds per env step
-(from the saved trees).
+learned from a reward (a kept group whose rewards differ, and a non-zero gradient; the KL term
+alone moves the weights a little on every step after the first), forks, scorer calls, and
+sandbox seconds per env step (from the saved trees).
 
 Sized for a 2-core machine by default (one task per step, small trees, short episodes); the
 knobs are flags and `--set` overrides. With `--keep DIR` a run is resumable: a finished run
@@ -108,12 +109,17 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps, curve, env_steps = 0, [], 0.0
     totals = {"forks": 0.0, "scorer_calls": 0.0, "env_steps": 0.0, "train_s": 0.0}
-    rewarded = updates = 0  # steps whose episodes resolved something; whose update moved weights
+    rewarded = updates = 0  # steps whose episodes resolved something; that learned from rewards
     for r in rows:
         if "rollout/env_steps" in r:
             steps += 1
             rewarded += r.get("train/success_rate", 0.0) > 0
-            updates += r.get("train/grad_norm", 0.0) > 0
+            # a policy-gradient update: some kept group's rewards differed and the gradient
+            # moved the weights (a step without one still moves them a little, by the KL term
+            # alone); runs from before `train/groups_informative` held one task per step
+            mean = r.get("train/reward_mean", 0.0)
+            informative = r.get("train/groups_informative", 0.0 < mean < 1.0)
+            updates += bool(informative) and r.get("train/grad_norm", 0.0) > 0
             totals["train_s"] += r.get("time/step_s", 0.0)
             env_steps += r["rollout/env_steps"]
             totals["env_steps"] += r["rollout/env_steps"]

@@ -156,6 +156,7 @@ def test_dynamic_sampling_drops_uninformative_groups(tmp_path, tiny_frozenlake):
     easy_tasks(tr, ("SFG", "FFF", "FFF"))
     metrics = tr.train_step()
     assert metrics["train/groups_dropped"] == 4  # 2 tasks x 2 refill rounds, then kept
+    assert metrics["train/groups_informative"] == 0  # the kept groups are all 0 too
     tr.rt.close()
 
 
