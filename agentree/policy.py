@@ -64,12 +64,6 @@ def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
 
     from agentree.engines.hf import HFEngine, load_policy
 
-    # torch's CPU kernels split their work one way until set_num_threads is first called and
-    # another afterwards, the same count or not; a warm-start build calls it (`one_thread`), so
-    # without this a run that built its policy first and one that found it cached diverge
-    # (the default run: gradients apart in the 7th digit at step 2, held-out 48.0% against
-    # 30.1% after 100 steps)
-    torch.set_num_threads(torch.get_num_threads())
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_policy(path, dtype=cfg.policy.dtype, device=cfg.policy.device)
     e = cfg.engine

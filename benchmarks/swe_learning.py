@@ -116,10 +116,9 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
             rewarded += r.get("train/success_rate", 0.0) > 0
             # a policy-gradient update: some kept group's rewards differed and the gradient
             # moved the weights (a step without one still moves them a little, by the KL term
-            # alone); runs from before `train/groups_informative` held one task per step
-            mean = r.get("train/reward_mean", 0.0)
-            informative = r.get("train/groups_informative", 0.0 < mean < 1.0)
-            updates += bool(informative) and r.get("train/grad_norm", 0.0) > 0
+            # alone)
+            informative = r.get("train/groups_informative", 0) > 0
+            updates += informative and r.get("train/grad_norm", 0.0) > 0
             totals["train_s"] += r.get("time/step_s", 0.0)
             env_steps += r["rollout/env_steps"]
             totals["env_steps"] += r["rollout/env_steps"]

@@ -199,7 +199,7 @@ def test_a_run_computes_the_same_whether_or_not_it_built_its_policy_first(
 ):
     # torch's CPU kernels split work one way before set_num_threads is first called and another
     # after; a warm-start build calls it, so the default run ended at 48.0% held-out when it
-    # built its warm start and 30.1% when it found it cached, until build_engine called it too
+    # built its warm start and 30.1% when it found it cached, until load_policy called it too
     sets = [*SMALL, f"policy.path={tiny_frozenlake}"]
     out = {}
     for mode in ("plain", "toggled"):
