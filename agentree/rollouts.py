@@ -64,6 +64,12 @@ class Rollouts(Protocol):
         so the engines it samples from keep their weights until it is collected."""
         ...
 
+    def state(self) -> dict[str, Any]:
+        """The random state the next rollout starts from, for a checkpoint."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -204,6 +210,16 @@ class LocalRollouts:
         self.engine.sync_weights(model)
         if self._snapshot is not None and not busy:
             self._snapshot.sync_weights(model)
+
+    def state(self) -> dict[str, Any]:
+        """The controller's random draws and the engine's sampler. A synchronous run resumes
+        exactly; an asynchronous one samples the rollout that was in flight at the checkpoint
+        again, on a fresh snapshot engine."""
+        return {"rng": self.rng.getstate(), "engine": self.engine.rng_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(state["rng"])
+        self.engine.set_rng_state(state["engine"])
 
     def close(self) -> None:
         try:

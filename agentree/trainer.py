@@ -359,6 +359,8 @@ class Trainer:
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
         self._trained_s = state.get("trained_s", 0.0)
+        if self.rt is not None and "rollouts" in state:  # absent in older checkpoints
+            self.rt.rollouts.load_state(state["rollouts"])
 
     def _loop_state(self) -> dict[str, Any]:
         return {
@@ -367,6 +369,7 @@ class Trainer:
             "cursor": self._cursor,
             "torch_rng": torch.get_rng_state(),
             "trained_s": self._trained_s,
+            **({"rollouts": self.rt.rollouts.state()} if self.rt is not None else {}),
         }
 
     def resume(self) -> bool:

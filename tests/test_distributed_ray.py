@@ -606,6 +606,12 @@ def test_async_training_on_ray_is_one_step_stale(rt, tmp_path):
     # the replica holds the trainer's final weights (synced through the object store)
     want = sum(float(v.double().sum()) for v in tr.model.state_dict().values())
     assert ray.get(rt.rollouts.replicas[0].checksum.remote()) == pytest.approx(want, rel=1e-9)
+    # a checkpoint holds the seeds the workers' next rollouts get; a resume restores them
+    tr.save()
+    drawn = rt.rollouts.rng.getrandbits(63)
+    again = Trainer(cfg, tmp_path, log=lambda _m: None, runtime=rt)
+    assert again.resume() and again.step == 3
+    assert rt.rollouts.rng.getrandbits(63) == drawn
 
 
 def test_lora_training_on_ray_sends_merged_weights_to_the_replica(

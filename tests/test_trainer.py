@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -123,6 +124,39 @@ def test_checkpoint_resume_restores_state(tmp_path, tiny_frozenlake):
         assert torch.equal(v, weights[k]), k
     assert again.opt.state_dict()["state"], "optimizer state not restored"
     again.rt.close()
+
+
+def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, tiny_frozenlake):
+    """Resumed from step 2 (after an evaluation, which reseeds the engine), steps 3-4 draw the
+    same tokens and end on the same weights: the checkpoint holds the rollouts' and the
+    engine's random state beside the trainer's."""
+    (tmp_path / "a").mkdir()
+    cfg = small_config(
+        tmp_path / "a", "train.lr=0.01", "train.save_every=2", "train.eval_every=2", steps=4
+    )
+    tr = Trainer(cfg, tmp_path / "a", log=lambda s: None)
+    tr.fit()
+    weights = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr.rt.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000004")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_000002")
+    again = Trainer(cfg, tmp_path / "b", log=lambda s: None)
+    assert again.resume() and again.step == 2
+    again.fit()
+    again.rt.close()
+
+    def rows(run):  # what was sampled and learned, not how long it took or what was cached
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        keep = ("step", "train/", "eval/", "rollout/env_steps", "rollout/forks", "scorer/")
+        return [
+            {k: v for k, v in json.loads(x).items() if k.startswith(keep) and k[-2:] != "_s"}
+            for x in lines
+        ]
+
+    assert rows("b") == rows("a")
+    for k, v in again.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
 
 
 def test_max_minutes_stops_the_run_evaluates_saves_and_resumes_the_clock(tmp_path, tiny_frozenlake):

@@ -274,6 +274,15 @@ class RayRollouts:
                     out.append({"status": "restarting"})
         return out
 
+    def state(self) -> dict[str, Any]:
+        """The seeds of the next rollouts' workers. The engines' samplers are not saved: workers
+        share replicas in whatever order their requests arrive, so a Ray run draws differently
+        from run to run anyway."""
+        return {"rng": self.rng.getstate()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(state["rng"])
+
     def close(self) -> None:
         """Close every env on every worker, then end the actors (and a private Ray)."""
         if self._closed:

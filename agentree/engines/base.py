@@ -121,6 +121,13 @@ class Engine(Protocol):
         """Reseed sampling (evaluation uses this for repeatable draws)."""
         ...
 
+    def rng_state(self) -> Any:
+        """Where sampling stands, for a checkpoint: a resumed run draws what the
+        uninterrupted one would have drawn."""
+        ...
+
+    def set_rng_state(self, state: Any) -> None: ...
+
     def sync_weights(self, model: Any) -> None:
         """Load the trainer's current weights (no-op when the engine shares the model)."""
         ...

@@ -424,6 +424,12 @@ class HFEngine:
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
     def sync_weights(self, model: Any) -> None:
         """Adopt `model`'s weights; cached KV was computed by the old weights, so drop it."""
         if model is not self.model:

@@ -178,6 +178,12 @@ class VLLMEngine:
     def seed(self, seed: int) -> None:
         self._rng.seed(seed)
 
+    def rng_state(self) -> Any:
+        return self._rng.getstate()
+
+    def set_rng_state(self, state: Any) -> None:
+        self._rng.setstate(state)
+
     def sync_weights(self, model: Any) -> None:
         """Load `model`'s current weights into the running engine, then drop the stale cache."""
         self._check_open()
