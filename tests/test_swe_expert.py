@@ -43,6 +43,23 @@ def test_one_line_fix_as_the_whole_new_line(tmp_path):
     assert command == "sed -i '1s|1)|2)|' m.py"
 
 
+def test_a_change_edit_names_the_swapped_text_before_the_whole_line():
+    buggy = FIXED.replace("n < 0", "n <= 0")
+    action = expert.fix_action("pkg/m.py", buggy, FIXED, edit="change")
+    assert action.startswith("THOUGHT: change `<=` to `<` on line 2.\n")
+    assert parse_commands(action) == parse_commands(
+        expert.fix_action("pkg/m.py", buggy, FIXED, edit="line")
+    )
+    c = expert.change_thought
+    # widened until the old text occurs once in the line
+    assert c("y = x[-1][1]", "y = x[-1][2]", 4) == "change `[1` to `[2` on line 4."
+    assert c("y = a - 1 + b - 1", "y = a - 1 + b - 2", 4) == "change `b - 1` to `b - 2` on line 4."
+    # an insertion or a deletion names the token beside it
+    assert c("if x or y:", "if not x or y:", 3) == "change `if` to `if not` on line 3."
+    assert c("if not x or y:", "if x or y:", 3) == "change `if not` to `if` on line 3."
+    assert c("f(a, b)", "f(b, a)", 1) == "change `a, b` to `b, a` on line 1."
+
+
 def test_sed_delimiter_avoids_the_characters_of_the_line():
     fixed, buggy = "x = a / 2 | b\n", "x = a / 20 | b\n"
     (command,) = parse_commands(expert.fix_action("m.py", buggy, fixed))
@@ -152,11 +169,12 @@ def test_expert_tries_wrong_edits_undoes_them_and_sometimes_gives_up():
         assert ("failed" in obs[-1]) == gave_up
 
 
-def test_whole_line_misses_change_the_faulty_line_and_the_fix_rewrites_it():
-    """With `edit="line"` the wrong edits are changes of the faulty line (where it has any),
+@pytest.mark.parametrize("edit", ["line", "change"])
+def test_whole_line_misses_change_the_faulty_line_and_the_fix_rewrites_it(edit):
+    """With whole-line edits the wrong edits are changes of the faulty line (where it has any),
     none is undone, and replaying every edit of a trajectory in order leaves the fixed file."""
     records = _records(["durations", "roman", "semver"], 40)
-    convs = expert.conversations(records, per_task=1, tries=3, seed=1, edit="line")
+    convs = expert.conversations(records, per_task=1, tries=3, seed=1, edit=edit)
     same_line = 0
     for record, conv in zip(records, convs, strict=True):
         buggy, fixed = expert._files(record)
@@ -167,6 +185,11 @@ def test_whole_line_misses_change_the_faulty_line_and_the_fix_rewrites_it():
             continue
         same_line += 1
         assert not any(c.startswith("git checkout") for c in cmds)
+        thoughts = [m["content"].split("\n", 1)[0] for m in conv[1::2] if "sed -i" in m["content"]]
+        named = [
+            t.startswith("THOUGHT: change `") and t.endswith(f" on line {line}.") for t in thoughts
+        ]
+        assert all(named) == (edit == "change")
         text = buggy
         for c in edits:  # each whole-line edit replaces the line the previous one wrote
             lines = text.splitlines(keepends=True)
@@ -284,6 +307,12 @@ def test_warm_command_writes_trajectories_for_another_model(tmp_path, capsys):
     assert "wrote 24 trajectories" in capsys.readouterr().out
     assert all(r["messages"][-1]["content"] == expert.SUBMIT_ACTION for r in rows)
     assert not list(tmp_path.glob("**/config.json"))  # nothing built
+    # two trajectories a task, edits after a THOUGHT that names the change
+    assert main([*args, "--per-task", "2", "--edit", "change", "--renamed-copies", "0"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 6 * 2
+    thoughts = [m["content"] for r in rows for m in r["messages"] if "sed -i '" in m["content"]]
+    assert thoughts and all(t.startswith("THOUGHT: change `") for t in thoughts)
 
 
 def test_episode_stages_follow_the_experts_path():

@@ -113,18 +113,20 @@ def _lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)
 
 
-Edit = Literal["sed", "line"]
+Edit = Literal["sed", "line", "change"]
 EDITS: tuple[str, ...] = get_args(Edit)
 """How the expert writes a one-line fix: `sed`, the changed words (`sed -i 'Ns|old|new|'`);
 `line`, the whole new line (`sed -i 'Nc\\NEW LINE'`), which copies the listing's `N<tab>LINE`
 and changes a word of it: what a pretrained model, which copies well, learns from fewer
-examples."""
+examples; `change`, the same command after a THOUGHT that names the change first ("change
+`<=` to `<` on line 13"), so a small model picks the tokens to swap before it copies the line
+with them swapped."""
 
 
 def fix_action(path: str, buggy: str, fixed: str, edit: str = "sed") -> str:
     """A command that turns `buggy` into `fixed`: sed for a one-line change (`s|old|new|`, or
-    `s/old/new/` when the line holds a `|`; with `edit="line"`, `Nc\\` and the new line when it
-    holds no quote or backslash), python otherwise."""
+    `s/old/new/` when the line holds a `|`; with `edit="line"` or `"change"`, `Nc\\` and the
+    new line when it holds no quote or backslash), python otherwise."""
     a, b = _lines(buggy), _lines(fixed)
     ops = [op for op in difflib.SequenceMatcher(a=a, b=b).get_opcodes() if op[0] != "equal"]
     if (
@@ -134,15 +136,16 @@ def fix_action(path: str, buggy: str, fixed: str, edit: str = "sed") -> str:
     ):
         _, i, _, j, _ = ops[0]
         old, new = a[i].rstrip("\n"), b[j].rstrip("\n")
-        if edit == "line" and new.strip() and not set("'\\") & set(new):
-            return _action(THOUGHTS["sed"], f"sed -i '{i + 1}c\\{new}' {path}")
+        thought = change_thought(old, new, i + 1) if edit == "change" else THOUGHTS["sed"]
+        if edit != "sed" and new.strip() and not set("'\\") & set(new):
+            return _action(thought, f"sed -i '{i + 1}c\\{new}' {path}")
         lo, hi = _core(old, new)
         sep = next((c for c in "|/" if c not in old + new), None)
         if sep and "'" not in old[lo:] + new[lo:]:
             pat = _sed_escape(old[lo : len(old) - hi])
             rep = new[lo : len(new) - hi].replace("\\", "\\\\").replace("&", "\\&")
             command = f"sed -i '{i + 1}s{sep}{pat}{sep}{rep}{sep}' {path}"
-            return _action(THOUGHTS["sed"], command)
+            return _action(thought, command)
     old_text, new_text = _hunk(a, b, ops)
     script = (
         "python3 - <<'EOF'\nimport pathlib\n"
@@ -150,6 +153,36 @@ def fix_action(path: str, buggy: str, fixed: str, edit: str = "sed") -> str:
         f"p.write_text(p.read_text().replace({old_text!r}, {new_text!r}, 1))\nEOF"
     )
     return _action(THOUGHTS["python"], script)
+
+
+_TOKEN = re.compile(r"\w+|[<>=!]=|//|\*\*|\S")
+"""Python-ish tokens: words, numbers, two-character operators, any other character."""
+
+
+def change_thought(old: str, new: str, line: int) -> str:
+    """The THOUGHT before a whole-line edit: the text it swaps and where ("change `<=` to `<`
+    on line 13"). The swapped tokens are widened by whole tokens until the old text occurs
+    once in the line (and a deletion or insertion names a neighbouring token)."""
+    a = [m.span() for m in re.finditer(_TOKEN, old)]
+    b = [m.span() for m in re.finditer(_TOKEN, new)]
+    same = lambda i, j: old[slice(*a[i])] == new[slice(*b[j])]  # noqa: E731
+    lo = 0
+    while lo < min(len(a), len(b)) and same(lo, lo):
+        lo += 1
+    hi = 0
+    while hi < min(len(a), len(b)) - lo and same(-1 - hi, -1 - hi):
+        hi += 1
+
+    def text(spans: list[tuple[int, int]], line_text: str) -> str:
+        cut = spans[lo : len(spans) - hi]
+        return line_text[cut[0][0] : cut[-1][1]] if cut else ""
+
+    while (lo or hi) and (not text(a, old) or not text(b, new) or old.count(text(a, old)) > 1):
+        if lo > 0:
+            lo -= 1
+        else:
+            hi -= 1
+    return f"change `{text(a, old)}` to `{text(b, new)}` on line {line}."
 
 
 def _core(old: str, new: str) -> tuple[int, int]:
@@ -303,9 +336,9 @@ def _misses(
     line: int,
 ) -> list[str]:
     """`n` wrong one-line edits on lines of `window`: injected-bug mutations of the buggy file
-    (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites. With
-    `edit="line"` they are changes of the faulty `line` itself where it has any: the expert
-    knows where the bug is and searches for the change."""
+    (`agentree.swe.mutate`), the same kinds of change as the fix, at other sites. With whole-line
+    edits they are changes of the faulty `line` itself where it has any: the expert knows where
+    the bug is and searches for the change."""
     by_line: dict[int, list[str]] = {}
     for m in mutations(path, buggy):
         if m.source == fixed or m.line not in window or m.kind.startswith("drop"):
@@ -313,7 +346,7 @@ def _misses(
         action = fix_action(path, buggy, m.source, edit)
         if parse_commands(action)[0].startswith("sed -i"):
             by_line.setdefault(m.line, []).append(action)
-    if edit == "line" and line in by_line:
+    if edit != "sed" and line in by_line:
         out = by_line[line]
     else:
         out = [a for actions in by_line.values() for a in actions]
@@ -335,7 +368,7 @@ def trajectory(
     grep for the definition around the bug, show it (`cat -n | tail | head`), edit, run the
     tests, submit: each command's path and line numbers appear in an earlier observation.
     Before the fix come `misses` wrong one-line edits on lines of the listing, each tested
-    (the tests fail) and undone with `git checkout` (with `edit="line"`, changes of the faulty
+    (the tests fail) and undone with `git checkout` (with whole-line edits, changes of the faulty
     line itself, each rewritten by the next edit); with `give_up` the expert submits after
     them without fixing anything, so the policy resolves some tasks but not all. `edit` is how
     one-line edits are written (`EDITS`).
