@@ -332,7 +332,25 @@ def test_episode_stages_follow_the_experts_path():
     ]
     assert grep != wrong[0] and show.startswith("cat -n") and path in show.split()
     stages = expert.episode_stages(record, wrong)
-    assert stages == {"grep": False, "show": True, "edit_line": True, "fix": False, "submit": False}
+    # `a` -> `b` inside a word of the line: the line is edited, but into no injected bug
+    assert stages == {
+        "grep": False,
+        "show": True,
+        "edit_line": True,
+        "swap": False,
+        "fix": False,
+        "submit": False,
+    }
+    # one of the expert's own wrong edits of that line is a step of its search: a swap
+    buggy, fixed = expert._files(record)
+    miss = next(
+        m.source
+        for m in expert.mutations(path, buggy)
+        if m.line == line and m.source != fixed and not m.kind.startswith("drop")
+    )
+    (swap,) = parse_commands(expert.fix_action(path, buggy, miss, edit="line"))
+    assert expert.episode_stages(record, [swap])["swap"]
+    assert not expert.episode_stages(record, [swap])["fix"]
     assert not expert.episode_stages(record, [show.replace(path, path + "x")])["show"]
     # a policy's edits may name a line past the end or hold garbled Python: no stage, no error
     garbled = "python3 - <<'EOF'\np.write_text(t.replace(1, 2, 1))\nEOF"

@@ -223,36 +223,43 @@ def _action(thought: str, command: str) -> str:
 
 def check_edit(command: str, buggy: str, fixed: str) -> bool:
     """Replay an edit command's effect in Python: does it turn `buggy` into `fixed`?"""
+    return apply_edit(command, buggy) == fixed
+
+
+def apply_edit(command: str, text: str) -> str | None:
+    """The file `text` after a one-line sed edit (`Nc\\` or `Ns|old|new|`) or a python
+    `replace` edit, replayed in Python; None for another command or one that cannot apply."""
     m = re.fullmatch(r"sed -i '(\d+)c\\([^'\\]*)' \S+", command)
     if m:  # GNU sed keeps the new line's leading blanks after `c\`
-        n, lines = int(m.group(1)), _lines(buggy)
+        n, lines = int(m.group(1)), _lines(text)
         if not 1 <= n <= len(lines):
-            return False
+            return None
         lines[n - 1] = m.group(2) + "\n"
-        return "".join(lines) == fixed
+        return "".join(lines)
     part = r"((?:(?!\2)[^\\]|\\.)*)"
     m = re.fullmatch(rf"sed -i '(\d+)s([/|]){part}\2{part}\2' \S+", command)
     if m:
         n, pat, rep = int(m.group(1)), m.group(3), m.group(4)
-        lines = _lines(buggy)
+        lines = _lines(text)
         if not 1 <= n <= len(lines):  # a policy's edit can name any line
-            return False
+            return None
         body = lines[n - 1].rstrip("\n")
         rep_py = rep.replace("\\&", "\0").replace("\\\\", "\\").replace("\0", "&")
         # the pattern is a sed basic regex whose only escapes are literal characters
         literal = re.sub(r"\\(.)", r"\1", pat)
         if literal not in body:
-            return False
+            return None
         lines[n - 1] = body.replace(literal, rep_py, 1) + "\n"
-        return "".join(lines) == fixed
+        return "".join(lines)
     m = re.search(r"replace\((.*), 1\)\)\nEOF$", command, re.S)
     if m:
         try:
             old, new = ast.literal_eval(f"({m.group(1)})")
         except (ValueError, SyntaxError, TypeError):  # a policy's garbled edit
-            return False
-        return isinstance(old, str) and isinstance(new, str) and buggy.replace(old, new, 1) == fixed
-    return False
+            return None
+        if isinstance(old, str) and isinstance(new, str) and old in text:
+            return text.replace(old, new, 1)
+    return None
 
 
 def _source_file(record: dict[str, Any]) -> str:
@@ -746,27 +753,36 @@ def _warm_real_model(
     )
 
 
-STAGES = ("grep", "show", "edit_line", "fix", "submit")
+STAGES = ("grep", "show", "edit_line", "swap", "fix", "submit")
 """How far an episode gets along the expert's path (`episode_stages`)."""
 
 
 def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str, bool]:
     """Which of the expert's steps an episode's `commands` (in order) contain: `grep`, a grep
     for the definition around the bug (the expert's anchor); `show`, a `cat -n` of the buggy
-    file; `edit_line`, a `sed -i` (`s` or `c`) at the changed line of that file; `fix`, an edit
-    that turns the buggy file into the fixed one (`check_edit`); `submit`, the submission.
-    Tells where a policy's episodes break when none resolves."""
+    file; `edit_line`, a `sed -i` (`s` or `c`) at the changed line of that file; `swap`, such
+    an edit that makes the file one of the buggy file's injected-bug mutations (an operator,
+    a comparison, a literal, two arguments swapped: a step of the expert's search, as against
+    rewriting the line), or the fix; `fix`, an edit that turns the buggy file into the fixed
+    one (`check_edit`); `submit`, the submission. Tells where a policy's episodes break when
+    none resolves."""
     path = _source_file(record)
     buggy, fixed = _files(record)
     line = _changed_line(buggy, fixed)
     anchor, _ = _anchor(buggy, line)
     seen = dict.fromkeys(STAGES, False)
+    mutated: set[str] | None = None  # listed at the first edit of the line
     for c in commands:
         seen["grep"] |= c.startswith("grep") and anchor in c.replace('\\"', '"')
         seen["show"] |= c.startswith("cat -n") and path in c.split()
         m = re.match(r"sed -i '(\d+)[sc]", c)
-        seen["edit_line"] |= bool(m) and int(m.group(1)) == line and c.endswith(f" {path}")
-        seen["fix"] |= check_edit(c, buggy, fixed)
+        at_line = bool(m) and int(m.group(1)) == line and c.endswith(f" {path}")
+        seen["edit_line"] |= at_line
+        fix = check_edit(c, buggy, fixed)
+        if at_line and not fix and mutated is None:
+            mutated = {m.source for m in mutations(path, buggy)}
+        seen["swap"] |= fix or (at_line and apply_edit(c, buggy) in (mutated or ()))
+        seen["fix"] |= fix
         seen["submit"] |= SENTINEL in c
     return seen
 
