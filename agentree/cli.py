@@ -24,6 +24,7 @@ from agentree.evaluation import run_eval, success
 from agentree.export import add_export_command
 from agentree.launch import spawn_ranks
 from agentree.models.cli import add_models_command
+from agentree.models.store import interrupt_on_sigterm
 from agentree.models.warm import walker_baseline
 from agentree.plan import dry_run
 from agentree.plot import add_plot_command
@@ -462,7 +463,9 @@ def cmd_sft(args: Any) -> int:
         dtype=cfg.policy.dtype,
         device=cfg.policy.device,
     )
-    summary = run_sft(policy, examples, args.output, sft)
+    state = Path(args.output) / ".sft-state"  # an interrupted run continues from it
+    with interrupt_on_sigterm():  # `kill` keeps the state as Ctrl-C does
+        summary = run_sft(policy, examples, args.output, sft, state_dir=state)
     losses = summary["epoch_loss"]
     print(
         f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -215,12 +216,21 @@ def run_sft(
     *,
     system: str | None = None,
     log: Callable[[str], None] = print,
+    state_dir: str | Path | None = None,
+    state_every_s: float = 600.0,
 ) -> dict[str, Any]:
     """Fine-tune the causal LM at `policy_path` and save it (model + tokenizer) to `output`.
 
     `examples` are `SFTExample`s or conversations (lists of chat messages, tokenised here with
     the policy's chat format; `system` fills in a missing system message). Returns a summary
     (losses per epoch, tokens, wall time), also written to `output/sft.json`.
+
+    With `state_dir`, the run writes its state there (weights, optimiser, position in the
+    example order, random state) every `state_every_s` seconds and at an interrupt (Ctrl-C,
+    or SIGTERM where the caller turns it into one), and a later call with the same policy,
+    examples and config continues from it, computing what the uninterrupted run would have;
+    the directory is removed once the model is saved. A state written by other settings is
+    ignored (and replaced).
     """
     # deferred: torch (and agentree.engines.hf, which imports it) take seconds to import; the
     # CLI imports this module at start
@@ -259,37 +269,61 @@ def run_sft(
     rng = random.Random(cfg.seed)
     dev = next(model.parameters()).device
     model.train()
-    epoch_loss: list[float] = []
-    step = 0
     tokens = sum(len(e.token_ids) for e in data)
     log(
         f"sft: {len(data)} examples, {tokens} tokens, {steps} steps of {cfg.batch_size} "
         f"({cfg.epochs} epoch(s)); time per step is printed as it runs"
     )
-    t_loop, last_note = time.perf_counter(), time.perf_counter()
-    for epoch in range(cfg.epochs):
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        total, count = 0.0, 0
-        for s in range(0, len(order), cfg.batch_size):
+    saved = SFTState(state_dir, str(policy_path), cfg, data) if state_dir else None
+    at = saved.load(model, opt, rng, log) if saved else None
+    if saved and not at:
+        log(
+            f"sft: state kept in {saved.dir} every {state_every_s / 60:g} min and at Ctrl-C; "
+            "the same command continues from it"
+        )
+    epoch_loss: list[float] = at["epoch_loss"] if at else []
+    step = first = at["step"] if at else 0
+    t_loop, last_note, last_save = time.perf_counter(), time.perf_counter(), time.perf_counter()
+    for epoch in range(at["epoch"] if at else 0, cfg.epochs):
+        if at and epoch == at["epoch"]:  # the epoch the state was written in
+            order, start, (total, count) = at["order"], at["next"], at["sums"]
+        else:
+            order, start, (total, count) = list(range(len(data))), 0, (0.0, 0)
+            rng.shuffle(order)
+        for s in range(start, len(order), cfg.batch_size):
             batch = [data[i] for i in order[s : s + cfg.batch_size]]
-            for g in opt.param_groups:
-                g["lr"] = sft_lr(cfg.lr, step, steps)
-            opt.zero_grad(set_to_none=True)
-            loss, n = _accumulate(model, batch, cfg.micro_batch_size or len(batch), pad, dev)
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            here = {"epoch": epoch, "order": order, "next": s, "sums": (total, count)}
+            try:
+                for g in opt.param_groups:
+                    g["lr"] = sft_lr(cfg.lr, step, steps)
+                opt.zero_grad(set_to_none=True)
+                loss, n = _accumulate(model, batch, cfg.micro_batch_size or len(batch), pad, dev)
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            except KeyboardInterrupt:  # this step has not changed the weights yet: keep them
+                if saved:
+                    saved.save(model, opt, rng, {**here, "step": step, "epoch_loss": epoch_loss})
+                    log(
+                        f"sft: interrupted in step {step + 1}; state of step {step} kept in "
+                        f"{saved.dir}: the same command continues from it (remove it to start "
+                        "over)"
+                    )
+                raise
             opt.step()
             total += loss * n
             count += n
             step += 1
             now = time.perf_counter()
-            if now - last_note >= 30 or step == 1:  # a real model runs seconds per step
-                per = (now - t_loop) / step
+            if now - last_note >= 30 or step == first + 1:  # a real model: seconds per step
+                per = (now - t_loop) / (step - first)
                 log(
                     f"sft step {step}/{steps}: loss {loss:.4f}, {per:.1f}s/step, "
                     f"about {per * (steps - step) / 60:.1f} min left"
                 )
                 last_note = now
+            if saved and step < steps and now - last_save >= state_every_s:
+                here.update(next=s + cfg.batch_size, sums=(total, count))
+                saved.save(model, opt, rng, {**here, "step": step, "epoch_loss": epoch_loss})
+                last_save = time.perf_counter()
         epoch_loss.append(total / max(count, 1))
         log(f"sft epoch {epoch + 1}/{cfg.epochs}: loss {epoch_loss[-1]:.4f}")
     out = Path(output)
@@ -309,7 +343,64 @@ def run_sft(
         "wall_s": round(time.perf_counter() - t0, 2),
     }
     (out / "sft.json").write_text(json.dumps(summary, indent=1))
+    if saved:
+        saved.remove()
     return summary
+
+
+class SFTState:
+    """The resumable state of one fine-tuning run in a directory: `state.pt` (weights,
+    optimiser, random state and position) beside `run.json`, which names the run (policy,
+    config, examples) so that a state is only picked up by the run that wrote it."""
+
+    def __init__(
+        self, directory: str | Path, policy: str, cfg: SFTConfig, data: Sequence[SFTExample]
+    ) -> None:
+        import hashlib
+
+        self.dir = Path(directory)
+        digest = hashlib.sha256()
+        for e in data:
+            digest.update(json.dumps([e.token_ids, e.loss_mask]).encode())
+        self.run = {"policy": policy, "config": cfg.model_dump(), "examples": digest.hexdigest()}
+
+    def load(self, model: Any, opt: Any, rng: random.Random, log: Callable[[str], None]) -> Any:
+        """Restore the weights, optimiser and random state; the saved position, or None."""
+        import torch
+
+        path = self.dir / "state.pt"
+        if not path.is_file():
+            return None
+        if json.loads((self.dir / "run.json").read_text()) != self.run:
+            log(f"sft: {self.dir} holds the state of another run; starting over")
+            return None
+        state = torch.load(path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log(f"sft: resuming at step {state['at']['step']} (state in {self.dir})")
+        return state["at"]
+
+    def save(self, model: Any, opt: Any, rng: random.Random, at: dict[str, Any]) -> None:
+        """Write the state whole or not at all (a temporary file renamed into place)."""
+        import torch
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "run.json").write_text(json.dumps(self.run))
+        state = {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "at": at,
+        }
+        tmp = self.dir / "state.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.dir / "state.pt")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _accumulate(

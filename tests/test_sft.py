@@ -187,3 +187,66 @@ def test_cli_fine_tunes_on_filtered_trees(tiny_frozenlake: Path, tmp_path: Path)
     assert summary["config"]["micro_batch_size"] == 1
     # nothing left after filtering is a usage error with a sentence, not a crash
     assert main([*sft, "--output", str(tmp_path / "none"), "--min-reward", str(best + 1)]) == 2
+
+
+def test_an_interrupted_fine_tune_resumes_where_it_stopped(
+    tiny_frozenlake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the 4th of 8 steps keeps the state of step 3 (and one written every step);
+    the same call again continues from it and saves what the uninterrupted run saves."""
+    import torch
+    from safetensors.torch import load_file
+
+    import agentree.sft as sft
+
+    chat = ChatFormat(__import__("transformers").AutoTokenizer.from_pretrained(tiny_frozenlake))
+    moves = ["Right", "Down", "Left", "Up"]
+    convs = [
+        [*CONVERSATION[:-1], {"role": "assistant", "content": f"```{moves[i % 4]}```"}]
+        for i in range(8)
+    ]
+    examples = [example_from_messages(chat, c) for c in convs]
+    cfg = SFTConfig(epochs=2, lr=3e-3, batch_size=2)
+    whole = run_sft(tiny_frozenlake, examples, tmp_path / "whole", cfg, log=lambda _: None)
+
+    real, calls = sft._accumulate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    state = tmp_path / "state"
+    monkeypatch.setattr(sft, "_accumulate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(tiny_frozenlake, examples, tmp_path / "out", cfg, state_dir=state, state_every_s=0)
+    assert torch.load(state / "state.pt", weights_only=False)["at"]["step"] == 3
+    calls.clear()
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "_accumulate", counted)
+    logs: list[str] = []
+    again = run_sft(
+        tiny_frozenlake, examples, tmp_path / "out", cfg, state_dir=state, log=logs.append
+    )
+    assert f"sft: resuming at step 3 (state in {state})" in logs
+    assert len(calls) == 8 - 3  # steps 4-8 only
+    assert again["epoch_loss"] == whole["epoch_loss"]
+    a = load_file(tmp_path / "whole" / "model.safetensors")
+    b = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not state.exists()  # removed once the model is saved
+    # a state written by other settings is not picked up
+    other = cfg.model_copy(update={"lr": 1e-3})
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(sft, "_accumulate", interrupted)
+        calls.clear()
+        run_sft(tiny_frozenlake, examples, tmp_path / "o2", cfg, state_dir=state, state_every_s=0)
+    monkeypatch.setattr(sft, "_accumulate", real)
+    logs.clear()
+    run_sft(tiny_frozenlake, examples, tmp_path / "o2", other, state_dir=state, log=logs.append)
+    assert f"sft: {state} holds the state of another run; starting over" in logs

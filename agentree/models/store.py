@@ -77,7 +77,7 @@ def build_once(
         _remove_leftovers(target)
         say(f"building {name}" + (f" ({expected})" if expected else "") + f" -> {target}")
         t0 = time.perf_counter()
-        with _interrupt_on_sigterm():
+        with interrupt_on_sigterm():
             try:
                 partial.mkdir()
                 write(partial)
@@ -127,9 +127,10 @@ def _build_lock(target: Path, name: str, say: Log) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while a build runs (main thread only), so the
-    partial directory is removed on `kill` as on Ctrl-C."""
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while a build or a fine-tune runs (main thread
+    only), so `kill` cleans up (a build's partial directory) or keeps (a fine-tune's resumable
+    state) what Ctrl-C does."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

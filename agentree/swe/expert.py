@@ -694,7 +694,7 @@ def warm_policy(
         atomic = (*ATOMIC, *template_pieces())
         base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base", log=log)
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
-        run_sft(base, convs, tmp, sft, system=system, log=log)
+        run_sft(base, convs, tmp, sft, system=system, log=log, state_dir=_sft_state(target))
         shutil.rmtree(tmp / "base")
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
@@ -741,7 +741,7 @@ def _warm_real_model(
     )
 
     def write(tmp: Path) -> None:
-        run_sft(base, convs, tmp, sft, system=system, log=log)
+        run_sft(base, convs, tmp, sft, system=system, log=log, state_dir=_sft_state(target))
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
     return build_once(
@@ -751,6 +751,12 @@ def _warm_real_model(
         expected=f"about {minutes:.0f} min",
         log=log,
     )
+
+
+def _sft_state(target: Path) -> Path:
+    """Where the fine-tune of `target` keeps its resumable state: beside the build, which
+    removes its partial directory when interrupted."""
+    return target.with_name(target.name + ".sft-state")
 
 
 STAGES = ("grep", "show", "edit_line", "swap", "fix", "submit")
