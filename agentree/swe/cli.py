@@ -93,8 +93,8 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         "--edit",
         choices=expert.EDITS,
         help="how the expert writes one-line fixes: sed s|old|new| (the tiny policy's default), "
-        "the whole new line, sed Nc\\ (line), or that line after a THOUGHT naming the change "
-        "(change: the default with --policy)",
+        "the whole new line, sed Nc\\ (line: the default with --policy), or that line after a "
+        "THOUGHT naming the change (change)",
     )
     warm.add_argument(
         "--per-task", type=int, help="expert trajectories per task, each with its own wrong edits"
@@ -243,26 +243,24 @@ def warm_command(args: argparse.Namespace) -> int:
 
 REAL_MODEL_WARM = {
     "lr": 1e-4,
-    "epochs": 2,
+    "epochs": 3,
     "batch_size": 4,
     "micro_batch_size": 1,
     "renamed_copies": 0,
-    "per_task": 2,
-    "max_trajectories": 352,
-    "max_length": 2560,
-    "edit": "change",
+    "max_trajectories": 176,
+    "max_length": 2048,
+    "edit": "line",
 }
 """`swe warm --policy MODEL` defaults: a pretrained model's learning rate, no renamed copies
-(it copies names from context already), two passes over two trajectories per train task (each
-with its own draw of wrong edits: more examples of changing a line), kept whole (the longest
-is about 2,500 SmolLM2 tokens), one trajectory forwarded at a time (no padding; SmolLM2-135M
-holds about 6-7 GB where four at once held 16-22 GB), one-line fixes written as the whole new
-line after a THOUGHT that names the swapped text. Measured for SmolLM2-135M on the 176
-generated train tasks (docs/swe_generated.md): with lr 5e-5 and `s|old|new|` edits it garbled
-every edit, hence lr 1e-4 and whole-line edits; one trajectory per task over one epoch learned
-the format but resolved no train task, over three epochs it resolved some (train pass@2 25%)
-and no held-out task, its held-out edits of the faulty line rewriting it freely instead of
-swapping a token, hence the named change and the second trajectory per task."""
+(it copies names from context already), three passes over one trajectory per train task, cut
+at 2048 tokens, one trajectory forwarded at a time (no padding; SmolLM2-135M holds about 6-7 GB
+where four at once held 16-22 GB), one-line fixes written as the whole new line. Measured for
+SmolLM2-135M on the 176 generated train tasks (docs/swe_generated.md): with lr 5e-5 and
+`s|old|new|` edits it garbled every edit, hence lr 1e-4 and whole-line edits; one epoch learned
+the format but resolved no train task, three resolve some (train pass@2 25%) by searching over
+the faulty line as the expert does, and no held-out task. A THOUGHT naming each change
+(`--edit change`) with two trajectories a task (`--per-task 2`), one more epoch on top of this
+recipe, resolved no held-out task either and made no injected-bug change of a held-out line."""
 
 
 def cleanup_command(args: argparse.Namespace) -> int:
