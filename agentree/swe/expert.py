@@ -770,7 +770,7 @@ def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str,
     an edit that makes the file one of the buggy file's injected-bug mutations (an operator,
     a comparison, a literal, two arguments swapped: a step of the expert's search, as against
     rewriting the line), or the fix; `fix`, an edit that turns the buggy file into the fixed
-    one (`check_edit`); `submit`, the submission. Tells where a policy's episodes break when
+    one (`apply_edit`); `submit`, the submission. Tells where a policy's episodes break when
     none resolves."""
     path = _source_file(record)
     buggy, fixed = _files(record)
@@ -784,10 +784,11 @@ def episode_stages(record: dict[str, Any], commands: Sequence[str]) -> dict[str,
         m = re.match(r"sed -i '(\d+)[sc]", c)
         at_line = bool(m) and int(m.group(1)) == line and c.endswith(f" {path}")
         seen["edit_line"] |= at_line
-        fix = check_edit(c, buggy, fixed)
+        after = apply_edit(c, buggy)
+        fix = after == fixed
         if at_line and not fix and mutated is None:
-            mutated = {m.source for m in mutations(path, buggy)}
-        seen["swap"] |= fix or (at_line and apply_edit(c, buggy) in (mutated or ()))
+            mutated = {mutant.source for mutant in mutations(path, buggy)}
+        seen["swap"] |= fix or (at_line and after in (mutated or ()))
         seen["fix"] |= fix
         seen["submit"] |= SENTINEL in c
     return seen
