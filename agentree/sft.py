@@ -18,6 +18,7 @@ token that closes it, so the model learns to stop).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -356,8 +357,6 @@ class SFTState:
     def __init__(
         self, directory: str | Path, policy: str, cfg: SFTConfig, data: Sequence[SFTExample]
     ) -> None:
-        import hashlib
-
         self.dir = Path(directory)
         digest = hashlib.sha256()
         for e in data:
@@ -366,6 +365,7 @@ class SFTState:
 
     def load(self, model: Any, opt: Any, rng: random.Random, log: Callable[[str], None]) -> Any:
         """Restore the weights, optimiser and random state; the saved position, or None."""
+        # deferred: torch takes seconds to import; the CLI imports this module at start
         import torch
 
         path = self.dir / "state.pt"
@@ -384,6 +384,7 @@ class SFTState:
 
     def save(self, model: Any, opt: Any, rng: random.Random, at: dict[str, Any]) -> None:
         """Write the state whole or not at all (a temporary file renamed into place)."""
+        # deferred: torch takes seconds to import; the CLI imports this module at start
         import torch
 
         self.dir.mkdir(parents=True, exist_ok=True)
