@@ -94,6 +94,10 @@ class Trainer:
         self._cursor = 0
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
+        self._eval_start: dict[str, Any] | None = None
+        """The loop state before the held-out evaluation in progress after a step: what a
+        checkpoint taken during it holds, marked so that the resumed run evaluates again."""
+        self._eval_due = False
         self._trained_s = 0.0
         """Seconds spent training so far (rollouts, updates, checkpoints; not evaluation)."""
         log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
@@ -134,6 +138,9 @@ class Trainer:
         history: dict[str, Any] = {}
         if self.step == 0:
             history["eval_before"] = self.evaluate()
+        elif self._eval_due and self.step < tc.steps:  # the checkpoint was cut in this evaluation
+            self._evaluate_after_step()
+        self._eval_due = False
         while self.step < tc.steps:
             t0 = time.monotonic()
             metrics = self.train_step()
@@ -145,7 +152,7 @@ class Trainer:
             self.stop.release()  # a stop requested during the update takes effect here
             last = self.step >= tc.steps or self._out_of_time()
             if tc.eval_every and self.step % tc.eval_every == 0 and not last:
-                metrics.update(self.evaluate())
+                metrics.update(self._evaluate_after_step())
             if on_step is not None:
                 on_step(self.step, metrics)
             if tc.save_every and self.step % tc.save_every == 0:
@@ -168,6 +175,15 @@ class Trainer:
         """Rank 0's clock decides for every rank, so all ranks stop at the same step."""
         limit = self.cfg.train.max_minutes
         return bool(limit) and bool(broadcast_object(self._trained_s >= 60 * limit))
+
+    def _evaluate_after_step(self) -> dict[str, float]:
+        """The periodic held-out evaluation. A run stopped during it checkpoints the state from
+        before it and evaluates again when resumed, so the curve keeps the point and the
+        resumed run draws what the uninterrupted one drew."""
+        self._eval_start = self._loop_state()
+        metrics = self.evaluate()
+        self._eval_start = None
+        return metrics
 
     def evaluate(self, log: bool = True) -> dict[str, float]:
         if self.rt is None:
@@ -343,7 +359,8 @@ class Trainer:
             lora = self.cfg.train.lora
             state = {
                 "step": self.step,
-                **(self._step_start or self._loop_state()),
+                **(self._step_start or self._eval_start or self._loop_state()),
+                "eval_due": self._eval_start is not None,
                 "policy": self.rt.policy_path,
                 "lora": lora.model_dump() if lora.r else None,
             }
@@ -359,6 +376,7 @@ class Trainer:
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
         self._trained_s = state.get("trained_s", 0.0)
+        self._eval_due = state.get("eval_due", False)
         if self.rt is not None and "rollouts" in state:  # absent in older checkpoints
             self.rt.rollouts.load_state(state["rollouts"])
 

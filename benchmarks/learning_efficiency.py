@@ -24,7 +24,10 @@ Countdown (`--case countdown`): the token-level samplers `latr`, `treepo`, `eptr
 
 Every (method, seed) is an ordinary `agentree train` run in a fresh process under
 `DIR/<case>/<method>/seed<N>`; a finished run (its `summary.json`) is reused and an
-unfinished one is started again, so an interrupted benchmark resumes where it stopped.
+unfinished one continues with `--resume` (its saved config, whatever the flags now say) from
+the checkpoint it wrote when the benchmark was stopped (Ctrl-C or SIGTERM; from the start if
+it has none), drawing what it would have drawn uninterrupted, so an interrupted benchmark
+resumes where it stopped.
 Seeds change the training and held-out maps and the sampling; the warm start is the same
 build for every seed, so per-seed results pair up across methods.
 
@@ -187,10 +190,6 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
     run = out / case / method / f"seed{seed}"
     if (run / "summary.json").exists():
         return run
-    if run.exists():  # an interrupted run: start it again from scratch
-        import shutil
-
-        shutil.rmtree(run)
     spec = CASES[case]
     cmd = [sys.executable, "-m", "agentree", "train", "--config", spec["config"]]
     cmd += methods_of(case, args)[method]
@@ -208,6 +207,8 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         *args.set,
     ]:
         cmd += ["--set", item]
+    if (run / "config.yaml").exists():  # interrupted: continue from the checkpoint its stop wrote
+        cmd = [sys.executable, "-m", "agentree", "train", "--output", str(run), "--resume"]
     env = dict(os.environ)
     if args.jobs > 1:  # parallel runs share the cores: one thread each instead of oversubscribing
         env["OMP_NUM_THREADS"] = "1"
@@ -287,10 +288,11 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
 
 def mean_curve(curves: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Pointwise mean (and spread) over seeds, on the eval steps all seeds share."""
-    n = min(len(c["step"]) for c in curves)
-    out: dict[str, list[float]] = {"step": curves[0]["step"][:n]}
+    steps = sorted(set.intersection(*(set(c["step"]) for c in curves)))
+    at = [{step: i for i, step in enumerate(c["step"])} for c in curves]
+    out: dict[str, list[float]] = {"step": steps}
     for key in ("budget", "wall_s", "success", "pass_at_k"):
-        cols = [[c[key][i] for c in curves] for i in range(n)]
+        cols = [[c[key][a[step]] for c, a in zip(curves, at, strict=True)] for step in steps]
         out[key] = [statistics.fmean(col) for col in cols]
         out[key + "_sd"] = [statistics.pstdev(col) for col in cols]
     return out

@@ -1,13 +1,17 @@
-"""The learning-efficiency benchmark's budget sizing, summary and paired comparison."""
+"""The learning-efficiency benchmark's budget sizing, summary, paired comparison and resume."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from small_policy import WARM_2_LAYERS, metric_rows
 
 from agentree.config import load_config
 
@@ -120,3 +124,51 @@ def test_calibration_measures_the_budget_from_the_warm_start_and_is_kept(
     assert f"rollout.G={g}" in settings(bench.methods_of("frozenlake", args)["grpo"])
     args.budget, args.turns = 30.0, 5.0  # by hand, over the calibration
     assert "rollout.G=6" in settings(bench.methods_of("frozenlake", args)["grpo"])
+
+
+def test_mean_curve_averages_the_evaluations_all_seeds_share(bench):
+    a = {
+        "step": [0, 5, 10],
+        "budget": [0, 50, 100],
+        "wall_s": [0, 1, 2],
+        "success": [0.2, 0.4, 0.6],
+    }
+    b = {"step": [0, 10], "budget": [0, 90], "wall_s": [0, 3], "success": [0.4, 0.8]}
+    for c in (a, b):
+        c["pass_at_k"] = c["success"]
+    m = bench.mean_curve([a, b])
+    assert m["step"] == [0, 10] and m["success"] == pytest.approx([0.3, 0.7])
+    assert m["budget"] == [0, 95]
+
+
+@pytest.mark.slow
+def test_a_stopped_benchmark_continues_its_runs_as_if_never_stopped(tmp_path, tiny_frozenlake):
+    """SIGTERM while a run is in flight (wherever it lands: rollout, update or evaluation),
+    then the same command: the run continues from the checkpoint its stop wrote, and its
+    rows equal an uninterrupted benchmark's."""
+    argv = [sys.executable, str(PATH), "--seeds", "0", "--methods", "grpo", "--steps", "4"]
+    argv += ["--eval-every", "1", "--eval-tasks", "2", "--eval-samples", "2"]
+    argv += ["--tasks-per-step", "2", "--budget", "12", "--turns", "3"]
+    for item in WARM_2_LAYERS:
+        argv += ["--set", item]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    subprocess.run([*argv, "--out", str(tmp_path / "a")], check=True, **quiet)
+    stopped = [*argv, "--out", str(tmp_path / "b")]
+    run = tmp_path / "b" / "frozenlake" / "grpo" / "seed0"
+    proc = subprocess.Popen(stopped, **quiet)
+    deadline = time.monotonic() + 300
+    while not any('"time/step_s"' in line for line in lines(run / "metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no step in 300 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert (run / "checkpoints" / "latest").exists() and not (run / "summary.json").exists()
+    resumed_at = time.time()
+    subprocess.run(stopped, check=True, **quiet)
+    first = json.loads(lines(run / "metrics.jsonl")[0])
+    assert first["step"] == 0 and first["time"] < resumed_at  # kept, not run again
+    assert metric_rows(run) == metric_rows(tmp_path / "a" / "frozenlake" / "grpo" / "seed0")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

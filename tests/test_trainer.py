@@ -9,7 +9,9 @@ import sys
 
 import pytest
 import torch
+from small_policy import metric_rows
 
+import agentree.trainer as trainer_module
 from agentree.config import load_config
 from agentree.trainer import Trainer, make_batch, token_logprobs
 
@@ -146,15 +148,46 @@ def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, tiny
     again.fit()
     again.rt.close()
 
-    def rows(run):  # what was sampled and learned, not how long it took or what was cached
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        keep = ("step", "train/", "eval/", "rollout/env_steps", "rollout/forks", "scorer/")
-        return [
-            {k: v for k, v in json.loads(x).items() if k.startswith(keep) and k[-2:] != "_s"}
-            for x in lines
-        ]
+    assert metric_rows(tmp_path / "b") == metric_rows(tmp_path / "a")
+    for k, v in again.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
 
-    assert rows("b") == rows("a")
+
+def test_a_run_stopped_during_an_evaluation_evaluates_again_when_resumed(
+    tmp_path, tiny_frozenlake, monkeypatch
+):
+    """Ctrl-C at the end of the held-out evaluation after step 2 (the engine has drawn every
+    sample, the row is not written): the checkpoint holds the state from before it, the
+    resumed run evaluates step 2 again, and its rows and final weights equal the
+    uninterrupted run's."""
+    runs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        cfg = small_config(tmp_path / name, "train.lr=0.01", "train.eval_every=2", steps=4)
+        runs[name] = Trainer(cfg, tmp_path / name, log=lambda s: None)
+    runs["a"].fit()
+    runs["a"].rt.close()
+
+    real = trainer_module.evaluate
+
+    def stopped_at_step_2(rt, cfg, seed):
+        result = real(rt, cfg, seed=seed)
+        if runs["b"].step == 2:
+            raise KeyboardInterrupt("SIGINT")
+        return result
+
+    monkeypatch.setattr(trainer_module, "evaluate", stopped_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        runs["b"].fit()
+    runs["b"].save()  # what `agentree train` does on Ctrl-C
+    runs["b"].rt.close()
+    monkeypatch.setattr(trainer_module, "evaluate", real)
+    again = Trainer(cfg, tmp_path / "b", log=lambda s: None)
+    assert again.resume() and again.step == 2
+    again.fit()
+    again.rt.close()
+    assert metric_rows(tmp_path / "b") == metric_rows(tmp_path / "a")
+    weights = runs["a"].model.state_dict()
     for k, v in again.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
 
