@@ -172,3 +172,30 @@ def test_a_stopped_benchmark_continues_its_runs_as_if_never_stopped(tmp_path, ti
 
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("field_tables", PATH.parent / "field_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert tables.interpolate([0, 40, 80], [0.2, 0.3, 0.5], 60) == pytest.approx(0.4)
+    assert tables.interpolate([0, 40], [0.2, 0.3], 50) is None
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    write_run(case / "grpo" / "seed0", [40, 40], [0.2, 0.3, 0.4])
+    write_run(case / "patr" / "seed0", [30, 34], [0.2, 0.5, 0.5])
+    summary = bench.summarise("frozenlake", ["grpo", "patr"], [0], tmp_path, 0.1)
+    details = json.loads((tmp_path / "frozenlake_details.json").read_text())
+    rows = tables.main_table(summary, details)
+    assert rows[2].startswith("| flat GRPO | 20.0 | 40.0 ± - | 40 | 80 |")
+    assert rows[3].startswith("| PATR | 20.0 | 50.0 ± - | 32 | 30 |")
+    assert rows[-1].startswith("| random-valid-move walker | 10.0% |")
+    assert tables.paired_table(summary)[2] == "| flat GRPO | +10.0 | +10.0 ± - | 1 / 0 / 0 |"
+    # equal env steps, quarters of PATR's 64: at 16 GRPO has 0.2 + 0.1 x 16 / 40, PATR
+    # 0.2 + 0.3 x 16 / 30
+    assert tables.equal_budget_table(details)[2:] == [
+        "| 16 | 24.0 | 36.0 |",
+        "| 32 | 28.0 | 50.0 |",
+        "| 48 | 32.0 | 50.0 |",
+        "| 64 | 36.0 | 50.0 |",
+    ]

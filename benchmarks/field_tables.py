@@ -1,0 +1,123 @@
+"""The tables of docs/results/field.md, printed as Markdown from a learning-efficiency run.
+
+    python benchmarks/field_tables.py DIR --case frozenlake     # DIR/summary.json
+    python benchmarks/field_tables.py DIR --case sokoban       # DIR/sokoban_summary.json
+
+Reads the summary and the per-seed curves `benchmarks/learning_efficiency.py` wrote and prints
+three tables: per method the seed-mean held-out success at every tenth step, the final success
+with its standard error, env steps per step, env steps to flat GRPO's final, pass@4, forks and
+train wall time per run; PATR minus each method per seed; and each method's seed-mean success
+at equal env steps (interpolated linearly between evaluations, at quarters of the smallest
+budget any method spent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+NAMES = {
+    "patr": "PATR",
+    "tree-random": "Tree-Random",
+    "grpo": "flat GRPO",
+    "arpo": "ARPO",
+    "gigpo": "GiGPO (flat groups)",
+    "tree-grpo": "Tree-GRPO",
+    "tsr": "TSR (beam)",
+    "patr+gigpo": "PATR + GiGPO",
+}
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float | None:
+    """y at x on the piecewise-linear curve through (xs, ys); None beyond its last point."""
+    for i in range(len(xs) - 1):
+        (x0, y0), (x1, y1) = (xs[i], ys[i]), (xs[i + 1], ys[i + 1])
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def main_table(summary: dict[str, Any], details: dict[str, Any]) -> list[str]:
+    methods = summary["methods"]
+    mean = details["mean"]
+    steps = mean["grpo"]["step"]
+    shown = [s for s in steps if s % 10 == 0]
+    head = " / ".join(str(s) for s in shown)
+    out = [
+        f"| method ({len(details['seeds'])} seeds) | held-out success, steps {head} "
+        "| final ± SE | env steps per step | env steps to GRPO's final | pass@4 "
+        "| forks per run | train wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m, row in methods.items():
+        curve = dict(zip(mean[m]["step"], mean[m]["success"], strict=True))
+        se = row["final_success_se"]
+        reach = row["env_steps_to_grpo_final"]
+        out.append(
+            f"| {NAMES.get(m, m)} | {' / '.join(pct(curve[s]) for s in shown)} "
+            f"| {pct(row['final_success'])} ± {pct(se) if se is not None else '-'} "
+            f"| {row['env_steps_per_step']:.0f} | {f'{reach:,.0f}' if reach else 'not reached'} "
+            f"| {pct(row['pass_at_4'])}% | {row['forks']:,.0f} | {row['wall_s']:.0f} s |"
+        )
+    if details.get("walker_success") is not None:
+        out.append(f"| random-valid-move walker | {pct(details['walker_success'])}% | | | | | | |")
+    return out
+
+
+def paired_table(summary: dict[str, Any]) -> list[str]:
+    out = [
+        "| PATR − | per-seed differences (points) | mean ± SE | PATR wins / ties / losses |",
+        "|---|---|---|---|",
+    ]
+    for m, p in summary.get("paired_patr_vs", {}).items():
+        diffs = ", ".join(f"{100 * d:+.1f}".replace("-", "−") for d in p["diffs"])
+        mu = f"{100 * p['mean']:+.1f}".replace("-", "−")
+        se = f"{100 * p['se']:.1f}" if p["se"] is not None else "-"
+        out.append(
+            f"| {NAMES.get(m, m)} | {diffs} | {mu} ± {se} "
+            f"| {p['wins']} / {p['ties']} / {p['losses']} |"
+        )
+    return out
+
+
+def equal_budget_table(details: dict[str, Any]) -> list[str]:
+    mean = details["mean"]
+    last = min(c["budget"][-1] for c in mean.values())
+    unit = 10 ** max(0, math.floor(math.log10(last)) - 1)  # two significant figures
+    points = [round(last * q / 4 / unit) * unit for q in (1, 2, 3)]
+    points.append(math.floor(last / unit) * unit)  # inside every curve
+    out = [
+        f"| {details['budget']} | " + " | ".join(NAMES.get(m, m) for m in mean) + " |",
+        "|---|" + "---|" * len(mean),
+    ]
+    for x in points:
+        cells = []
+        for c in mean.values():
+            y = interpolate(c["budget"], c["success"], x)
+            cells.append("-" if y is None else pct(y))
+        out.append(f"| {x:,.0f} | " + " | ".join(cells) + " |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="the benchmark's --out directory")
+    ap.add_argument("--case", default="frozenlake")
+    args = ap.parse_args()
+    name = "summary.json" if args.case == "frozenlake" else f"{args.case}_summary.json"
+    summary = json.loads((args.out / name).read_text())
+    details = json.loads((args.out / f"{args.case}_details.json").read_text())
+    for table in (main_table(summary, details), paired_table(summary)):
+        print("\n".join(table), end="\n\n")
+    print("\n".join(equal_budget_table(details)))
+
+
+if __name__ == "__main__":
+    main()
