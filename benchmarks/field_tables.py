@@ -60,10 +60,11 @@ def main_table(summary: dict[str, Any], details: dict[str, Any]) -> list[str]:
         curve = dict(zip(mean[m]["step"], mean[m]["success"], strict=True))
         se = row["final_success_se"]
         reach = row["env_steps_to_grpo_final"]
+        reached = "not reached" if reach is None else f"{reach:,.0f}"
         out.append(
             f"| {NAMES.get(m, m)} | {' / '.join(pct(curve[s]) for s in shown)} "
             f"| {pct(row['final_success'])} ± {pct(se) if se is not None else '-'} "
-            f"| {row['env_steps_per_step']:.0f} | {'not reached' if reach is None else f'{reach:,.0f}'} "
+            f"| {row['env_steps_per_step']:.0f} | {reached} "
             f"| {pct(row['pass_at_4'])}% | {row['forks']:,.0f} | {row['wall_s']:.0f} s |"
         )
     if details.get("walker_success") is not None:
