@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -168,6 +169,8 @@ def test_a_stopped_benchmark_continues_its_runs_as_if_never_stopped(tmp_path, ti
     first = json.loads(lines(run / "metrics.jsonl")[0])
     assert first["step"] == 0 and first["time"] < resumed_at  # kept, not run again
     assert metric_rows(run) == metric_rows(tmp_path / "a" / "frozenlake" / "grpo" / "seed0")
+    key = json.loads((tmp_path / "b" / "summary.json").read_text())["warm_start"]
+    assert (Path(os.environ["AGENTREE_CACHE"]) / "tiny-warm" / key / "config.json").is_file()
 
 
 def lines(path: Path) -> list[str]:
