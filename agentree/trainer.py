@@ -149,9 +149,12 @@ class Trainer:
             metrics["time/trained_min"] = self._trained_s / 60
             self.write_metrics(metrics)
             self._step_start = None
-            self.stop.release()  # a stop requested during the update takes effect here
             last = self.step >= tc.steps or self._out_of_time()
-            if tc.eval_every and self.step % tc.eval_every == 0 and not last:
+            evaluate = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
+            if evaluate:  # from here a stop checkpoints the state before the evaluation
+                self._eval_start = self._loop_state()
+            self.stop.release()  # a stop requested during the update takes effect here
+            if evaluate:
                 metrics.update(self._evaluate_after_step())
             if on_step is not None:
                 on_step(self.step, metrics)
@@ -180,7 +183,8 @@ class Trainer:
         """The periodic held-out evaluation. A run stopped during it checkpoints the state from
         before it and evaluates again when resumed, so the curve keeps the point and the
         resumed run draws what the uninterrupted one drew."""
-        self._eval_start = self._loop_state()
+        if self._eval_start is None:
+            self._eval_start = self._loop_state()
         metrics = self.evaluate()
         self._eval_start = None
         return metrics

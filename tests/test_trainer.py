@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -153,13 +154,15 @@ def test_a_resumed_run_continues_exactly_as_the_uninterrupted_one(tmp_path, tiny
         assert torch.equal(v, weights[k]), k
 
 
-def test_a_run_stopped_during_an_evaluation_evaluates_again_when_resumed(
-    tmp_path, tiny_frozenlake, monkeypatch
+@pytest.mark.parametrize("during", ["evaluation", "update"])
+def test_a_run_stopped_around_an_evaluation_evaluates_again_when_resumed(
+    tmp_path, tiny_frozenlake, monkeypatch, during
 ):
     """Ctrl-C at the end of the held-out evaluation after step 2 (the engine has drawn every
-    sample, the row is not written): the checkpoint holds the state from before it, the
-    resumed run evaluates step 2 again, and its rows and final weights equal the
-    uninterrupted run's."""
+    sample, the row is not written), or during step 2's update (held until the update is
+    done, so it lands just before that evaluation): the checkpoint holds the state from before
+    the evaluation, the resumed run evaluates step 2 first, and its rows and final weights
+    equal the uninterrupted run's."""
     runs = {}
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -168,20 +171,32 @@ def test_a_run_stopped_during_an_evaluation_evaluates_again_when_resumed(
     runs["a"].fit()
     runs["a"].rt.close()
 
-    real = trainer_module.evaluate
+    b = runs["b"]
+    if during == "evaluation":
+        real = trainer_module.evaluate
 
-    def stopped_at_step_2(rt, cfg, seed):
-        result = real(rt, cfg, seed=seed)
-        if runs["b"].step == 2:
-            raise KeyboardInterrupt("SIGINT")
-        return result
+        def stopped_at_step_2(rt, cfg, seed):
+            result = real(rt, cfg, seed=seed)
+            if b.step == 2:
+                raise KeyboardInterrupt("SIGINT")
+            return result
 
-    monkeypatch.setattr(trainer_module, "evaluate", stopped_at_step_2)
+        monkeypatch.setattr(trainer_module, "evaluate", stopped_at_step_2)
+    else:
+        update = b.update
+
+        def signalled_in_step_2(*args, **kwargs):
+            out = update(*args, **kwargs)
+            if b.step == 1:  # counted once the step is done
+                b.stop._handle(signal.SIGINT, None)  # what the installed handler receives
+            return out
+
+        monkeypatch.setattr(b, "update", signalled_in_step_2)
     with pytest.raises(KeyboardInterrupt):
-        runs["b"].fit()
-    runs["b"].save()  # what `agentree train` does on Ctrl-C
-    runs["b"].rt.close()
-    monkeypatch.setattr(trainer_module, "evaluate", real)
+        b.fit()
+    b.save()  # what `agentree train` does on Ctrl-C
+    b.rt.close()
+    monkeypatch.undo()
     again = Trainer(cfg, tmp_path / "b", log=lambda s: None)
     assert again.resume() and again.step == 2
     again.fit()
