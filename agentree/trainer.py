@@ -95,9 +95,8 @@ class Trainer:
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
         self._eval_start: dict[str, Any] | None = None
-        """The loop state before the held-out evaluation in progress after a step: what a
-        checkpoint taken during it holds, marked so that the resumed run evaluates again."""
-        self._eval_due = False
+        """The loop state before the held-out evaluation due after a step: what a checkpoint
+        taken until it is written holds, marked so that the resumed run evaluates again."""
         self._trained_s = 0.0
         """Seconds spent training so far (rollouts, updates, checkpoints; not evaluation)."""
         log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
@@ -138,9 +137,9 @@ class Trainer:
         history: dict[str, Any] = {}
         if self.step == 0:
             history["eval_before"] = self.evaluate()
-        elif self._eval_due and self.step < tc.steps:  # the checkpoint was cut in this evaluation
+        elif self._eval_start is not None and self.step < tc.steps:  # cut before its evaluation
             self._evaluate_after_step()
-        self._eval_due = False
+        self._eval_start = None
         while self.step < tc.steps:
             t0 = time.monotonic()
             metrics = self.train_step()
@@ -150,11 +149,11 @@ class Trainer:
             self.write_metrics(metrics)
             self._step_start = None
             last = self.step >= tc.steps or self._out_of_time()
-            evaluate = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
-            if evaluate:  # from here a stop checkpoints the state before the evaluation
+            due = bool(tc.eval_every) and self.step % tc.eval_every == 0 and not last
+            if due:  # from here a stop checkpoints the state before the evaluation
                 self._eval_start = self._loop_state()
             self.stop.release()  # a stop requested during the update takes effect here
-            if evaluate:
+            if due:
                 metrics.update(self._evaluate_after_step())
             if on_step is not None:
                 on_step(self.step, metrics)
@@ -180,11 +179,9 @@ class Trainer:
         return bool(limit) and bool(broadcast_object(self._trained_s >= 60 * limit))
 
     def _evaluate_after_step(self) -> dict[str, float]:
-        """The periodic held-out evaluation. A run stopped during it checkpoints the state from
-        before it and evaluates again when resumed, so the curve keeps the point and the
-        resumed run draws what the uninterrupted one drew."""
-        if self._eval_start is None:
-            self._eval_start = self._loop_state()
+        """The periodic held-out evaluation, `_eval_start` set. A run stopped before it is
+        written checkpoints the state from before it and evaluates again when resumed, so the
+        curve keeps the point and the resumed run draws what the uninterrupted one drew."""
         metrics = self.evaluate()
         self._eval_start = None
         return metrics
@@ -380,9 +377,9 @@ class Trainer:
         self._order, self._cursor = state["order"], state["cursor"]
         torch.set_rng_state(state["torch_rng"])
         self._trained_s = state.get("trained_s", 0.0)
-        self._eval_due = state.get("eval_due", False)
         if self.rt is not None and "rollouts" in state:  # absent in older checkpoints
             self.rt.rollouts.load_state(state["rollouts"])
+        self._eval_start = self._loop_state() if state.get("eval_due") else None
 
     def _loop_state(self) -> dict[str, Any]:
         return {

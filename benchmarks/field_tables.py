@@ -47,7 +47,7 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float | None:
 def main_table(summary: dict[str, Any], details: dict[str, Any]) -> list[str]:
     methods = summary["methods"]
     mean = details["mean"]
-    steps = mean["grpo"]["step"]
+    steps = next(iter(mean.values()))["step"]  # every method's: the steps all seeds share
     shown = [s for s in steps if s % 10 == 0]
     head = " / ".join(str(s) for s in shown)
     out = [

@@ -185,11 +185,10 @@ def calibrate(case: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     return sizing
 
 
-def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespace) -> Path:
-    """`agentree train` for one (method, seed); reuses a finished run."""
-    run = out / case / method / f"seed{seed}"
-    if (run / "summary.json").exists():
-        return run
+def train_command(
+    case: str, method: str, seed: int, run: Path, args: argparse.Namespace
+) -> list[str]:
+    """The `agentree train` command of one (method, seed) from the warm start."""
     spec = CASES[case]
     cmd = [sys.executable, "-m", "agentree", "train", "--config", spec["config"]]
     cmd += methods_of(case, args)[method]
@@ -207,8 +206,18 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         *args.set,
     ]:
         cmd += ["--set", item]
+    return cmd
+
+
+def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespace) -> Path:
+    """`agentree train` for one (method, seed); reuses a finished run."""
+    run = out / case / method / f"seed{seed}"
+    if (run / "summary.json").exists():
+        return run
     if (run / "config.yaml").exists():  # interrupted: continue from the checkpoint its stop wrote
         cmd = [sys.executable, "-m", "agentree", "train", "--output", str(run), "--resume"]
+    else:
+        cmd = train_command(case, method, seed, run, args)
     env = dict(os.environ)
     if args.jobs > 1:  # parallel runs share the cores: one thread each instead of oversubscribing
         env["OMP_NUM_THREADS"] = "1"
