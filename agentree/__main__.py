@@ -1,5 +1,5 @@
 import sys
 
-from agentree.cli import main
+from agentree.commands.cli import main
 
 sys.exit(main())

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentree.advantages import check_advantage_options
+from agentree.algorithms.advantages import check_advantage_options
 from agentree.envs.base import env_class, format_validation_error
-from agentree.models.tiny import TinyModelConfig
+from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
 from agentree.rollout.base import controller_class
 from agentree.scorers.base import scorer_class
@@ -133,7 +133,7 @@ class TrainConfig(_Section):
     advantage: Literal["grpo", "treepo", "treerl", "gigpo", "rtmc", "treegrpo"] = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
     anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;
-    treegrpo: intra- plus inter-tree GRPO (see `agentree.advantages`)."""
+    treegrpo: intra- plus inter-tree GRPO (see `agentree.algorithms.advantages`)."""
     advantage_options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, e.g. treepo {norm: batch|batch-std|tree-std|none,
     distinct_subgroups: bool, eps}; grpo {eps} (its std scaling is `adv_scale`); gigpo
@@ -154,8 +154,10 @@ class TrainConfig(_Section):
     """Optimiser steps per pass (>1 makes later updates off-policy, where clipping acts)."""
     packing: Literal["auto", "tree", "padded"] = "auto"
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
-    trajectory, or auto: whichever `agentree.packing.layout_cost` estimates cheaper per batch."""
-    save_every: int = Field(50, ge=0)
+    trajectory, or auto: whichever `agentree.algorithms.packing.layout_cost` estimates cheaper per
+    batch."""
+    save_every: int = Field(50,
+    ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Most recent checkpoints kept on disk."""

@@ -18,8 +18,8 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.engines.base import Engine
-from agentree.models.pretrained import local_policy
-from agentree.models.tiny import tiny_policy_for_env
+from agentree.hub.pretrained import local_policy
+from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import WARM_ENVS, warm_policy_for_env
 
 

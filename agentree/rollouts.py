@@ -1,6 +1,6 @@
 """Who makes the trees: the rollout seam of the training loop.
 
-The loop (`agentree.trainer`), held-out evaluation (`agentree.evaluation`) and `agentree
+The loop (`agentree.run.trainer`), held-out evaluation (`agentree.run.evaluation`) and `agentree
 rollout` ask a `Rollouts` for one tree per task and never learn who made them:
 
 - `LocalRollouts` (here): the controller runs in this process against the local engine; a

@@ -178,6 +178,16 @@ class Tree:
             cur = n.parent
         return out[::-1]
 
+    def success(self, leaf_id: int) -> bool:
+        """Whether the trajectory ending at `leaf_id` solved its task: the env's `success` flag
+        where it sets one, else a return of at least 1; never after an env error or a timeout.
+        The one rule: training metrics, held-out evaluation, rollouts and the viewer use it."""
+        node = self.nodes[leaf_id]
+        if node.end_reason in (EndReason.ENV_ERROR, EndReason.TIMEOUT):
+            return False
+        reward = sum(n.reward for n in self.path(leaf_id))
+        return bool(node.info.get("env", {}).get("success", reward >= 1.0))
+
     def context_ids(self, node_id: int) -> list[int]:
         """The exact token ids the policy conditions on after `node_id`."""
         ids: list[int] = []

@@ -27,7 +27,7 @@ from typing import Any
 def run_engine(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     from agentree.config import load_config
     from agentree.rollout.base import make_controller
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     cfg = load_config(
         "frozenlake_patr",

@@ -36,7 +36,7 @@ CONFIGS = {"frozenlake": "frozenlake_patr", "swebench": "swebench_patr"}
 
 def build(env: str, workers: int, replicas: int, args: argparse.Namespace) -> Any:
     from agentree.config import load_config
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     extra = []
     if workers:

@@ -135,7 +135,7 @@ def zero_shot(policy: str, envs: list[str], out_dir: Path) -> dict[str, dict]:
 
 
 def judge(policy: str, tasks: str, timeout: float, out_dir: Path) -> dict:
-    from agentree.launch import free_port
+    from agentree.learner.launch import free_port
     from agentree.tree import Tree
 
     port = free_port()
@@ -216,7 +216,7 @@ def main() -> None:
         report["convert"] = convert(args.policy)
         print("convert", report["convert"], flush=True)
     if "throughput" in args.only:
-        from agentree.models.pretrained import local_policy
+        from agentree.hub.pretrained import local_policy
 
         report["throughput"] = throughput(local_policy(args.policy), args.threads)
         print("throughput", report["throughput"], flush=True)

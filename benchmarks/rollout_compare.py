@@ -18,8 +18,8 @@ from collections import defaultdict
 
 from agentree.config import load_config
 from agentree.rollout.base import RolloutStats
-from agentree.rollout.flat import FlatConfig, FlatGRPO
-from agentree.runtime import Runtime
+from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
+from agentree.run.runtime import Runtime
 
 
 def main() -> None:

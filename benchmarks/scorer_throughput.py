@@ -92,7 +92,7 @@ class FixedLatencyServer:
 
 
 def bench_prm(branches: list, rows: list) -> None:
-    from agentree.models.tiny_prm import build_tiny_prm
+    from agentree.hub.tiny_prm import build_tiny_prm
     from agentree.scorers.prm import PRMConfig, PRMScorer
 
     path = str(build_tiny_prm())
@@ -134,8 +134,8 @@ def bench_judge_latency(branches: list, rows: list, latency: float) -> None:
 
 
 def bench_judge_serve(branches: list, rows: list) -> None:
+    from agentree.commands.serve import start_server
     from agentree.scorers.judge import JudgeConfig, JudgeScorer
-    from agentree.serve import start_server
 
     handle = start_server("tiny", served_model_name="tiny", log_fn=lambda m: None)
     try:

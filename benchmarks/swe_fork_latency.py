@@ -24,8 +24,8 @@ import argparse
 import statistics
 import time
 
-from agentree.swe import images, local_suite
-from agentree.swe.sandbox import ImageStore, Sandbox, SandboxConfig
+from agentree.envs.swe import images, local_suite
+from agentree.envs.swe.sandbox import ImageStore, Sandbox, SandboxConfig
 
 HISTORY = [  # a typical start of an agent episode on the `textkit` task
     "ls -la && git log --oneline | head -5",

@@ -49,7 +49,7 @@ ROLLOUT_SETS = {
 
 def _watch_containers(pid: int, stop: threading.Event, peak: list[int]) -> None:
     """Peak number of live containers labelled as owned by process `pid`."""
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     api = runtime.client().api
     flt = {"label": f"{runtime.OWNER}={socket.gethostname()}:{pid}"}

@@ -114,7 +114,7 @@ def episodes(args: argparse.Namespace) -> None:
 def stages(args: argparse.Namespace, trees: list[Path]) -> None:
     """Where the episodes break: the share that reached each of the expert's steps
     (`expert.episode_stages`), over every sampled episode (a root-to-leaf path)."""
-    from agentree.envs.swe import parse_commands
+    from agentree.envs.swe.env import parse_commands
     from agentree.swe.expert import STAGES, episode_stages
     from agentree.tree import Tree
 

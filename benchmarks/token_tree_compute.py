@@ -44,14 +44,14 @@ from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine, load_policy
 from agentree.envs.base import Task, env_class
-from agentree.models.store import cache_root
-from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+from agentree.hub.store import cache_root
+from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.rollout.base import Controller, RolloutContext
-from agentree.rollout.eptree import THEOREM1_BOUNDS, EPTree, EPTreeConfig, theorem1_ratio
-from agentree.rollout.flat import FlatConfig, FlatGRPO
-from agentree.rollout.latr import LATR, LATRConfig
-from agentree.rollout.tokentree import response_ids
-from agentree.rollout.treepo import TreePO, TreePOConfig
+from agentree.rollout.token.eptree import THEOREM1_BOUNDS, EPTree, EPTreeConfig, theorem1_ratio
+from agentree.rollout.token.latr import LATR, LATRConfig
+from agentree.rollout.token.tokentree import response_ids
+from agentree.rollout.token.treepo import TreePO, TreePOConfig
+from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.tree import Tree
 
 

@@ -2,8 +2,8 @@
 LoRA on an fp32 or a bf16 frozen base.
 
 Each configuration runs in fresh processes: every rank builds the trainable policy exactly as
-`agentree train` does (`agentree.sharding.build_trainable`: rank 0 loads, the other ranks build
-on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
+`agentree train` does (`agentree.learner.sharding.build_trainable`: rank 0 loads, the other ranks
+build on the meta device, `fully_shard`, shards sent from rank 0, LoRA) and runs
 one update (`ShardedUpdate`: its share of the micro-batches, AdamW step) on a synthetic batch of
 `--trajectories` sequences of `--seq-len` tokens (random ids, half the tokens policy tokens,
 rewards alternating so the advantages are non-zero). Reported per rank: peak RSS (VmHWM)
@@ -48,7 +48,7 @@ def build_100m(out: Path) -> Path:
 
 
 def tiny_path() -> Path:
-    from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+    from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 
     return tiny_policy_for_env("frozenlake", {}, TinyModelConfig(vocab_size=160))
 
@@ -111,7 +111,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     from transformers import AutoConfig
 
     from agentree.config import load_config
-    from agentree.sharding import ShardedUpdate, build_trainable, init_distributed
+    from agentree.learner.sharding import ShardedUpdate, build_trainable, init_distributed
 
     overrides = [
         f"train.world_size={world}", f"train.fsdp={str(spec['fsdp']).lower()}",
@@ -142,7 +142,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 
 def measure(spec: dict, world: int) -> list[dict]:
-    from agentree.launch import free_port
+    from agentree.learner.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="train-memory-") as out:
         mp.spawn(_rank, args=(world, free_port(), spec, out), nprocs=world)

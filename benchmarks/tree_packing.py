@@ -28,11 +28,16 @@ from typing import Any
 
 import torch
 
+from agentree.algorithms.loss import loss_normalizer, policy_loss
+from agentree.algorithms.packing import (
+    attention_break_even,
+    batch_logprobs,
+    choose_layout,
+    layout_cost,
+)
 from agentree.config import load_config
-from agentree.loss import loss_normalizer, policy_loss
-from agentree.packing import attention_break_even, batch_logprobs, choose_layout, layout_cost
-from agentree.runtime import Runtime
-from agentree.update import PolicyUpdate
+from agentree.learner.update import PolicyUpdate
+from agentree.run.runtime import Runtime
 
 CASES: dict[str, tuple[str | None, dict[str, str], list[str]]] = {
     "frozenlake_patr": ("frozenlake_patr", {}, ["env.max_turns=10", "rollout.K=5"]),

@@ -56,9 +56,9 @@ def main() -> None:
     from agentree.chat import ChatFormat
     from agentree.engines.hf import load_policy
     from agentree.envs.base import env_class
-    from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+    from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
+    from agentree.models.sft import SFTExample, example_from_messages, sft_loss, sft_lr
     from agentree.models.warm import WarmConfig, demonstrations, first_move_skill
-    from agentree.sft import SFTExample, example_from_messages, sft_loss, sft_lr
 
     if args.threads:
         torch.set_num_threads(args.threads)

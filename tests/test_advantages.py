@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from agentree.advantages import (
+from agentree.algorithms.advantages import (
     check_advantage_options,
     compute_advantages,
     group_normalized,

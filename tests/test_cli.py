@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from agentree.cli import main
+from agentree.commands.cli import main
 from agentree.tree import Tree
 
 FAST = ["--set", "engine.max_tokens=6", "--set", "env.max_turns=4", "--set", "rollout.K=2"]

@@ -15,7 +15,7 @@ def test_defaults_are_the_paper_values():
     """Every PATR value the paper states (§4, §5.1, App. A), in the code defaults and the config."""
     from agentree.config import EngineConfig, TrainConfig
     from agentree.envs.frozenlake import FrozenLakeConfig
-    from agentree.rollout.patr import PATRConfig
+    from agentree.rollout.turn.patr import PATRConfig
 
     paper = {"B0": 4, "K": 5, "M": 2, "top_k": 2, "alpha": 0.5, "theta": 6}
     code = PATRConfig()
@@ -109,7 +109,7 @@ def test_config_files(tmp_path):
 
 
 def test_runtime_sampling_carries_the_env_stop_sequences(tiny_frozenlake):
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     rt = Runtime(load_config(), log=lambda s: None)
     assert "```Up```" in rt.rollouts.sampling().stop

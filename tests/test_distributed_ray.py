@@ -25,10 +25,10 @@ from swe_support import local_records_fixture  # noqa: E402, F401
 from agentree.config import load_config  # noqa: E402
 from agentree.distributed.cluster import LocalCluster, processes_matching  # noqa: E402
 from agentree.distributed.engine import RemoteEngine, block_hashes  # noqa: E402
-from agentree.launch import free_port  # noqa: E402
-from agentree.runtime import Runtime  # noqa: E402
+from agentree.learner.launch import free_port  # noqa: E402
+from agentree.learner.update import PolicyUpdate  # noqa: E402
+from agentree.run.runtime import Runtime  # noqa: E402
 from agentree.tree import EndReason, Tree  # noqa: E402
-from agentree.update import PolicyUpdate  # noqa: E402
 
 SMALL = [
     "engine.max_tokens=6",
@@ -258,7 +258,7 @@ def container_owners() -> set[int]:
     """Pids on this host that own an agentree container."""
     import socket
 
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     host = socket.gethostname()
     out = set()
@@ -273,7 +273,7 @@ def docker_owned_by(pids: set[int]) -> tuple[list[str], list[str]]:
     """Containers and snapshot images whose `agentree.owner` label is one of `pids` here."""
     import socket
 
-    from agentree.swe import runtime
+    from agentree.envs.swe import runtime
 
     api = runtime.client().api
     owners = {f"{socket.gethostname()}:{p}" for p in pids}
@@ -564,7 +564,7 @@ def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake)
 def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
     """rho = exp(log pi_theta - log pi_sample): with stored sampling log-probs of 0, the mean
     ratio is the mean of pi_theta over the policy tokens; on-policy it is exactly 1."""
-    from agentree.batching import padded_micro_batches, token_logprobs
+    from agentree.algorithms.batching import padded_micro_batches, token_logprobs
     from agentree.engines.hf import load_policy
 
     model, _tok = load_policy(tiny_frozenlake, dtype="float32", device="cpu")
@@ -588,7 +588,7 @@ def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
 
 
 def test_async_training_on_ray_is_one_step_stale(rt, tmp_path):
-    from agentree.trainer import Trainer
+    from agentree.run.trainer import Trainer
 
     cfg = rt.cfg.model_copy(deep=True)
     cfg.train.steps, cfg.train.async_steps = 3, 1
@@ -619,8 +619,8 @@ def test_lora_training_on_ray_sends_merged_weights_to_the_replica(
 ):
     """With LoRA the driver's engine runs the adapters in place, but a replica holds a model
     without adapters: each sync sends base + (alpha / r) * B A under the plain weight names."""
-    from agentree.lora import merged_state_dict
-    from agentree.trainer import Trainer
+    from agentree.learner.lora import merged_state_dict
+    from agentree.run.trainer import Trainer
 
     overrides = [
         *SMALL,
@@ -656,7 +656,7 @@ def test_lora_training_on_ray_sends_merged_weights_to_the_replica(
 
 def test_async_training_in_process_overlaps_on_a_snapshot_engine(tmp_path, tiny_frozenlake):
     from agentree.rollouts import ThreadRollout
-    from agentree.trainer import Trainer
+    from agentree.run.trainer import Trainer
 
     cfg = load_config("frozenlake_patr", overrides=[*SMALL, "train.async_steps=1"])
     cfg.train.steps, cfg.engine.temperature = 3, 1.0

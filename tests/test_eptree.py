@@ -14,7 +14,7 @@ from toy_policy import EOS, PROMPT, ToyEngine, toy_context
 from agentree.config import load_config
 from agentree.engines.base import Completion
 from agentree.envs.base import Task
-from agentree.rollout.eptree import (
+from agentree.rollout.token.eptree import (
     THEOREM1_BOUNDS,
     EPTree,
     EPTreeConfig,
@@ -22,8 +22,8 @@ from agentree.rollout.eptree import (
     theorem1_phi,
     theorem1_ratio,
 )
-from agentree.rollout.tokentree import response_ids
-from agentree.trainer import Trainer
+from agentree.rollout.token.tokentree import response_ids
+from agentree.run.trainer import Trainer
 
 LN2, LN4 = math.log(2), math.log(4)
 

@@ -1,11 +1,13 @@
-"""The module graph of `agentree` has no cycle and no import from a lower layer to a higher
-one (the layers of docs/architecture.md).
+"""The folders of `agentree` are its layers: no cycle between modules or between folders, and
+no import from a lower layer to a higher one (the layers of docs/architecture.md).
 
-Read with `ast` from the source files: module-level imports give the graph (a cycle means a
-missing seam); function-level imports of agentree modules count too, since a deferred import
-of the package itself hides an edge of that graph rather than a cost. An import inside a
-function says why it is there (`# deferred: ...`): a heavy or optional dependency (torch,
-transformers, vLLM, Ray, Docker, an extra) kept off the import of the module.
+A room is `agentree.X`: a folder (`agentree.run`) or a top-level module (`agentree.tree`); each
+room belongs to one layer. Read with `ast` from the source files: module-level imports give the
+graph (a cycle means a missing seam); function-level imports of agentree modules count too,
+since a deferred import of the package itself hides an edge of that graph rather than a cost.
+An import inside a function says why it is there (`# deferred: ...`): a heavy or optional
+dependency (torch, transformers, vLLM, Ray, Docker, an extra) kept off the import of the
+module.
 """
 
 from __future__ import annotations
@@ -19,20 +21,28 @@ from pathlib import Path
 import agentree
 
 ROOT = Path(agentree.__file__).parent
-MAPPED = {"agentree.envs": ROOT.parent / "envs", "agentree.scorers": ROOT.parent / "scorers"}
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    roots = {"agentree": ROOT, **MAPPED}
-    for pkg, base in roots.items():
-        for path in base.rglob("*.py"):
-            rel = path.relative_to(base).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([pkg, *parts])
-            if "local_suite" in name:  # SWE task repositories shipped as data
-                continue
-            out[name] = path
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(["agentree", *[p for p in rel.parts if p != "__init__"]])
+        if "local_suite" in name:  # SWE task repositories shipped as data
+            continue
+        out[name] = path
+    return out
+
+
+def room(module: str) -> str:
+    """`agentree.run.trainer` -> `agentree.run`; `agentree.tree` -> itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph(in_functions=True).items():
+        out.setdefault(room(m), set()).update(room(d) for d in deps if room(d) != room(m))
     return out
 
 
@@ -104,53 +114,35 @@ def test_all_imports_of_agentree_modules_are_acyclic():
     assert find_cycle(graph(in_functions=True)) is None
 
 
+def test_no_cycle_between_folders():
+    """Modules may be acyclic while their folders are not (`config` -> `models` -> `config`):
+    a circle between rooms means two folders each hold part of one layer."""
+    assert find_cycle(room_graph()) is None
+
+
 LAYERS = [
-    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat"]),
-    (
-        "parts",
-        [
-            "agentree.envs", "agentree.scorers", "agentree.engines", "agentree.models",
-            "agentree.rollout", "agentree.swe", "agentree.sft", "agentree.prompts",
-            "agentree.output_layer",
-            "agentree.configs",
-        ],
-    ),
-    (
-        "algorithms",
-        [
-            "agentree.config", "agentree.update", "agentree.advantages", "agentree.loss",
-            "agentree.batching", "agentree.packing", "agentree.lora", "agentree.checkpoint",
-            "agentree.resume", "agentree.plan", "agentree.policy",
-        ],
-    ),
-    (
-        "seams",
-        [
-            "agentree.rollouts", "agentree.learner", "agentree.sharding", "agentree.distributed",
-            "agentree.launch",
-        ],
-    ),
-    ("assembly", ["agentree.runtime"]),
-    ("loop", ["agentree.trainer", "agentree.evaluation", "agentree.tracking", "agentree.view"]),
-    (
-        "commands",
-        [
-            "agentree.cli", "agentree.__main__", "agentree.serve", "agentree.plot",
-            "agentree.export", "agentree.viewer", "agentree.swe.cli", "agentree.models.cli",
-        ],
-    ),
+    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat",
+                   "agentree.prompts", "agentree.configs"]),
+    ("algorithms", ["agentree.algorithms"]),
+    ("envs", ["agentree.envs"]),
+    ("hub", ["agentree.hub"]),
+    ("engines", ["agentree.engines"]),
+    ("scorers", ["agentree.scorers"]),
+    ("controllers", ["agentree.rollout"]),
+    ("built models", ["agentree.models", "agentree.swe"]),
+    ("configuration", ["agentree.config", "agentree.policy"]),
+    ("seams", ["agentree.rollouts", "agentree.learner", "agentree.distributed",
+               "agentree.viewer"]),
+    ("run", ["agentree.run"]),
+    ("commands", ["agentree.commands", "agentree.__main__"]),
 ]  # fmt: skip
-"""Lowest first; a module belongs to the layer of its longest matching prefix."""
+"""Rooms by layer, lowest first: a room imports only rooms of its own layer or below."""
 
 
 def layer_of(module: str) -> int:
-    best = max(
-        ((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
-         if module == p or module.startswith(p + ".")),
-        default=None,
-    )  # fmt: skip
-    assert best is not None, f"{module} is in no layer of LAYERS: add it"
-    return best[1]
+    found = [i for i, (_, rooms) in enumerate(LAYERS) if room(module) in rooms]
+    assert found, f"{room(module)} (of {module}) is in no layer of LAYERS: add it"
+    return found[0]
 
 
 def test_no_import_points_up_a_layer():

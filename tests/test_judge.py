@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
+from agentree.commands.serve import start_server
 from agentree.config import load_config
 from agentree.prompts import load as load_prompt
-from agentree.runtime import Runtime
+from agentree.run.runtime import Runtime
 from agentree.scorers import make_scorer
 from agentree.scorers.heuristic import TrajectoryHeuristicScorer
 from agentree.scorers.judge import JudgeConfig, JudgeReplyError, detect_phase, parse_score
 from agentree.scorers.trajectory import step_views
-from agentree.serve import start_server
 from agentree.tree import Tree
 
 ISSUE = "<issue>\nParser.parse crashes on empty input\n</issue>"
@@ -444,7 +444,7 @@ def test_patr_frozenlake_judge_fallbacks_are_counted() -> None:
 
 
 def test_patr_frozenlake_with_the_tiny_prm(tmp_path) -> None:
-    from agentree.models.tiny_prm import build_tiny_prm
+    from agentree.hub.tiny_prm import build_tiny_prm
 
     prm = build_tiny_prm(tmp_path / "prm")
     trees, stats = patr_frozenlake("prm", f"scorer.model={prm}", "scorer.device=cpu")

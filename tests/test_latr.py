@@ -13,8 +13,8 @@ from toy_policy import EOS, PROMPT, toy_context
 from agentree.config import load_config
 from agentree.envs.base import Task
 from agentree.rollout.base import make_controller
-from agentree.rollout.latr import LATR, LATRConfig, edit_distance
-from agentree.trainer import Trainer
+from agentree.rollout.token.latr import LATR, LATRConfig, edit_distance
+from agentree.run.trainer import Trainer
 from agentree.tree import EndReason
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentree.batching import make_batch
-from agentree.packing import batch_logprobs, pack
+from agentree.algorithms.batching import make_batch
+from agentree.algorithms.packing import batch_logprobs, pack
 from agentree.tree import EndReason, Tree
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # fp32; slices and the full matrix differ in summation order
@@ -78,9 +78,9 @@ def test_dry_run_counts_one_slice_of_logits():
     from pathlib import Path
 
     from agentree.config import load_config
-    from agentree.plan import estimate
+    from agentree.run.plan import estimate
 
-    recipe = Path(__file__).parent.parent / "configs" / "swebench_patr_qwen3_8b.yaml"
+    recipe = Path(__file__).parent.parent / "agentree" / "configs" / "swebench_patr_qwen3_8b.yaml"
     act = {
         c: estimate(load_config(str(recipe), overrides=[f"train.logits_chunk={c}"]))["per_rank"][
             "activations"

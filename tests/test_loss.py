@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from agentree.loss import (
+from agentree.algorithms.loss import (
     aggregate,
     k3_kl,
     loss_normalizer,

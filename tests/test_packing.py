@@ -12,12 +12,10 @@ import pytest
 import torch
 from small_policy import WARM_2_LAYERS
 
-from agentree.advantages import compute_advantages
-from agentree.batching import make_batch, padded_micro_batches
-from agentree.config import load_config
-from agentree.envs.base import Task
-from agentree.loss import loss_normalizer, policy_loss
-from agentree.packing import (
+from agentree.algorithms.advantages import compute_advantages
+from agentree.algorithms.batching import make_batch, padded_micro_batches
+from agentree.algorithms.loss import loss_normalizer, policy_loss
+from agentree.algorithms.packing import (
     batch_logprobs,
     choose_layout,
     pack,
@@ -26,7 +24,9 @@ from agentree.packing import (
     token_weights,
     unpack,
 )
-from agentree.runtime import Runtime
+from agentree.config import load_config
+from agentree.envs.base import Task
+from agentree.run.runtime import Runtime
 from agentree.tree import EndReason, Tree
 
 # Rollout settings kept small for CI; token-level samplers get loose thresholds so that the
@@ -259,7 +259,7 @@ def test_auto_layout_picks_the_packed_rows_for_a_shared_prefix():
 def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
     """One full `PolicyUpdate` (advantages, KL to a reference, accumulation over micro-batches,
     AdamW step) moves the weights the same with tree-packed and padded rows."""
-    from agentree.update import PolicyUpdate
+    from agentree.learner.update import PolicyUpdate
 
     monkeypatch.setenv("AGENTREE_CACHE", os.environ.get("AGENTREE_CACHE", str(tmp_path)))
     name, select, overrides = CASES["frozenlake_patr"]
@@ -300,7 +300,7 @@ def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
 def test_packed_logprobs_with_each_attention_implementation(impl, tiny_frozenlake):
     from transformers import AutoModelForCausalLM
 
-    from agentree.batching import token_logprobs
+    from agentree.algorithms.batching import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_frozenlake, dtype=torch.float32, attn_implementation=impl

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from small_policy import WARM_2_LAYERS
 
 from agentree.config import load_config
-from agentree.trainer import Trainer
+from agentree.run.trainer import Trainer
 
 SMALL = [
     *WARM_2_LAYERS,
@@ -129,7 +129,7 @@ def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> li
 
 
 def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None:
-    from agentree.launch import rank_env
+    from agentree.learner.launch import rank_env
 
     os.environ.update(rank_env(rank, world, "127.0.0.1", port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None
 def two_ranks(fixed_batch, tmp_path_factory) -> Path:
     """Every variant trained one step by 2 gloo ranks (one spawn for all: start-up dominates);
     the asynchronous loop; a one-process checkpoint resumed and updated by the ranks."""
-    from agentree.launch import free_port
+    from agentree.learner.launch import free_port
 
     out = tmp_path_factory.mktemp("ranks")
     one = out / "from_one"  # one update in one process, checkpointed at step 1
@@ -273,8 +273,8 @@ def test_distributed_checkpoint_resumes_on_one_rank(
 
 def _surrogate(tr, micro, old) -> float:
     """The clipped objective of the fixed batch against the initial policy's log-probs."""
-    from agentree.loss import loss_normalizer, policy_loss
-    from agentree.packing import batch_logprobs
+    from agentree.algorithms.loss import loss_normalizer, policy_loss
+    from agentree.algorithms.packing import batch_logprobs
 
     tc = tr.cfg.train
     norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
@@ -293,10 +293,10 @@ def _surrogate(tr, micro, old) -> float:
 def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from agentree.cli import main
-    from agentree.learner import ShardedLearner
-    from agentree.lora import is_adapter_key
-    from agentree.packing import batch_logprobs
+    from agentree.algorithms.packing import batch_logprobs
+    from agentree.commands.cli import main
+    from agentree.learner.base import ShardedLearner
+    from agentree.learner.lora import is_adapter_key
 
     cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
     tr = Trainer(cfg, tmp_path / "run", log=quiet)
@@ -337,8 +337,8 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
 def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):
     """train.dtype=bf16 under LoRA: the frozen base stays bf16 (no fp32 master copy), the
     adapters are fp32 and are the only weights that move; the objective improves."""
-    from agentree.lora import is_adapter_key
-    from agentree.packing import batch_logprobs
+    from agentree.algorithms.packing import batch_logprobs
+    from agentree.learner.lora import is_adapter_key
 
     extra = ["train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2", "train.dtype=bf16"]
     for fsdp in ("false", "true"):
@@ -363,7 +363,7 @@ def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):
 
 
 def test_bf16_and_gradient_checkpointing_run_a_step(tiny_frozenlake, tmp_path):
-    from agentree.learner import ShardedLearner
+    from agentree.learner.base import ShardedLearner
 
     cfg = cfg_for(
         tmp_path, "train.fsdp=true", "train.dtype=bf16", "train.gradient_checkpointing=true",
@@ -399,7 +399,7 @@ def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
     ],
 )
 def test_gpu_recipes_dry_run_without_weights(config, expect, capsys):
-    from agentree.cli import main
+    from agentree.commands.cli import main
 
     root = Path(__file__).parent.parent
     assert main(["train", "--config", str(root / config), "--dry-run"]) == 0
@@ -414,7 +414,7 @@ def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys
     """A local path is read from its config.json; the count is the real model's."""
     from transformers import AutoModelForCausalLM
 
-    from agentree.cli import main
+    from agentree.commands.cli import main
 
     args = ["train", "--policy", str(tiny_frozenlake), "--dry-run", "--set", "train.lora.r=4"]
     assert main(args) == 0
@@ -425,7 +425,7 @@ def test_dry_run_counts_parameters_of_a_local_checkpoint(tiny_frozenlake, capsys
 
 def test_dry_run_counts_a_bf16_frozen_base_under_lora():
     """LoRA with train.dtype=bf16: 2 bytes a base parameter, 4 an adapter one, sharded."""
-    from agentree.plan import estimate
+    from agentree.run.plan import estimate
 
     root = Path(__file__).parent.parent
     recipe = str(root / "configs/swebench_patr_qwen3_8b.yaml")

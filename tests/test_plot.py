@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agentree.cli import main
-from agentree.plot import plot_runs, series
+from agentree.commands.cli import main
+from agentree.commands.plot import plot_runs, series
 
 
 def write_run(path: Path, rows: list[dict]) -> Path:

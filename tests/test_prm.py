@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agentree.models.tiny_prm import build_tiny_prm
+from agentree.hub.tiny_prm import build_tiny_prm
 from agentree.scorers import make_scorer
 from agentree.scorers.prm import PRMScorer
 from agentree.tree import Tree

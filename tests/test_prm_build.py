@@ -103,7 +103,7 @@ def test_fit_metrics_by_hand() -> None:
 
 
 def test_the_cli_builds_one_and_refuses_to_overwrite(llama_dir: Path, tmp_path: Path, capsys):
-    from agentree.cli import main
+    from agentree.commands.cli import main
 
     out = tmp_path / "prm"
     args = ["models", "prm", "--base", str(llama_dir), "--env", "frozenlake", "--out", str(out)]

@@ -29,7 +29,7 @@ def _ray_rank(batch: Path, out: Path) -> dict[str, torch.Tensor] | None:
     """One rank, in a Ray actor: the `accumulate` variant's update; rank 0 returns the weights."""
     import torch.distributed as dist
 
-    from agentree.trainer import Trainer
+    from agentree.run.trainer import Trainer
 
     torch.set_num_threads(1)
     trees, groups = torch.load(batch, weights_only=False)
@@ -70,7 +70,7 @@ def test_ray_launched_ranks_match_one_process(fixed_batch, tmp_path):  # noqa: F
 def test_torchrun_launches_the_ranks(tmp_path, tiny_frozenlake):
     """Under torchrun, `agentree train` joins the process group torchrun set up instead of
     spawning ranks itself: 2 ranks train a step and write one sharded checkpoint."""
-    from agentree.launch import free_port
+    from agentree.learner.launch import free_port
 
     out = tmp_path / "run"
     sets = [a for o in [*SMALL, "train.world_size=2", "train.fsdp=true"] for a in ("--set", o)]

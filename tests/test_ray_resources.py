@@ -86,7 +86,7 @@ def small_cluster(agentree_cache):
     """Two nodes of one CPU each (the case from the issue)."""
     ray = pytest.importorskip("ray", reason="pip install 'agentree[ray]'")
     from agentree.distributed.cluster import LocalCluster
-    from agentree.launch import free_port
+    from agentree.learner.launch import free_port
 
     c = LocalCluster(port=free_port(), nodes=2, cpus_per_node=1)
     saved = dict(os.environ)
@@ -107,7 +107,7 @@ SMALL = ["policy.path=tiny", "engine.max_tokens=6", "env.max_turns=2", "rollout.
 
 
 def test_two_one_cpu_nodes_refuse_a_shared_replica_at_once(small_cluster, tiny_frozenlake):
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     cfg = load_config(
         "frozenlake_patr",
@@ -126,7 +126,7 @@ def test_two_one_cpu_nodes_refuse_a_shared_replica_at_once(small_cluster, tiny_f
 
 def test_two_one_cpu_nodes_run_the_default_placement(small_cluster, tiny_frozenlake):
     """engine_replicas auto on CPU: a worker on each node, each with its own engine."""
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     cfg = load_config(
         "frozenlake_patr",

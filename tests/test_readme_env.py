@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentree.cli import main
+from agentree.commands.cli import main
 from agentree.envs import EnvCheckError, check_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -22,9 +22,9 @@ import torch
 import yaml
 from small_policy import WARM_2_LAYERS
 
-from agentree.checkpoint import begin_checkpoint, finish_checkpoint, latest_checkpoint
-from agentree.cli import main
-from agentree.resume import trim_metrics
+from agentree.commands.cli import main
+from agentree.run.checkpoint import begin_checkpoint, finish_checkpoint, latest_checkpoint
+from agentree.run.resume import trim_metrics
 
 STEPS = 3
 ARGS = [
@@ -60,8 +60,8 @@ LAUNCHER = textwrap.dedent(
     import torch
 
     import agentree.rollouts
-    import agentree.update
-    from agentree.cli import main
+    import agentree.learner.update
+    from agentree.commands.cli import main
 
     AT, STEP = os.environ["PROBE_AT"], int(os.environ["PROBE_STEP"])
     FLAG = Path(os.environ["PROBE_FLAG"])
@@ -77,7 +77,8 @@ LAUNCHER = textwrap.dedent(
                 time.sleep(0.1)
 
 
-    rollout, update = agentree.rollouts.LocalRollouts.rollout, agentree.update.PolicyUpdate.__call__
+    rollout = agentree.rollouts.LocalRollouts.rollout
+    update = agentree.learner.update.PolicyUpdate.__call__
     save = torch.save
     calls = []
 
@@ -106,7 +107,7 @@ LAUNCHER = textwrap.dedent(
 
 
     agentree.rollouts.LocalRollouts.rollout = paused_rollout
-    agentree.update.PolicyUpdate.__call__ = paused_update
+    agentree.learner.update.PolicyUpdate.__call__ = paused_update
     torch.save = paused_save
     sys.exit(main(sys.argv[1:]))
     """
@@ -256,7 +257,7 @@ def test_resume_rejects_flags_that_change_the_run(tmp_path, capsys):
 
 
 def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
-    from agentree.resume import resume_config
+    from agentree.run.resume import resume_config
 
     run = _saved_run(tmp_path)
     saved_lr = yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"]
@@ -276,7 +277,7 @@ def test_resume_accepts_flags_equal_to_the_saved_run_and_logs_steps(tmp_path):
 def test_resume_may_reshape_the_work_and_logs_it(tmp_path):
     """Checkpoints reshard onto any learner, so `--resume --set train.world_size=N --set
     train.fsdp=true` is allowed and logged; any other key still counts as a change of the run."""
-    from agentree.resume import resume_config
+    from agentree.run.resume import resume_config
 
     run = _saved_run(tmp_path)
     logged: list[str] = []

@@ -8,7 +8,7 @@ import pytest
 from test_rollout import CountingEnv, FixedScorer, context, task
 from transformers import AutoTokenizer
 
-from agentree.advantages import compute_advantages
+from agentree.algorithms.advantages import compute_advantages
 from agentree.envs import Task
 from agentree.rollout.base import make_controller
 from agentree.tree import EndReason

@@ -18,8 +18,8 @@ import openai
 import pytest
 from helpers import interruptible
 
+from agentree.commands.serve import Batcher, add_serve_command, start_server
 from agentree.engines.base import SamplingParams
-from agentree.serve import Batcher, add_serve_command, start_server
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +225,12 @@ def test_add_serve_command_registers_the_subcommand() -> None:
 
 
 def test_serve_cli_process() -> None:
-    """`python -m agentree.serve` serves until interrupted, then exits cleanly."""
+    """`python -m agentree.commands.serve` serves until interrupted, then exits cleanly."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "agentree.serve",
+            "agentree.commands.serve",
             "--policy",
             "tiny",
             "--port",
@@ -263,8 +263,8 @@ def test_serve_cli_process() -> None:
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path, capsys) -> None:
+    from agentree.commands.serve import main
     from agentree.policy import build_serving_engine
-    from agentree.serve import main
 
     with pytest.raises(ValueError, match="does not exist"):
         build_serving_engine(str(tmp_path / "nope"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from agentree.chat import ChatFormat
-from agentree.cli import main
-from agentree.sft import (
+from agentree.commands.cli import main
+from agentree.models.sft import (
     SFTConfig,
     example_from_messages,
     load_examples,
@@ -64,7 +64,7 @@ def test_mask_covers_exactly_the_assistant_tokens(tokenizer) -> None:
 def test_missing_system_message_takes_the_envs(tokenizer) -> None:
     import copy
 
-    from agentree.models.tiny import CHATML_TEMPLATE
+    from agentree.hub.tiny import CHATML_TEMPLATE
 
     # the tiny policies' template leaves system messages out; a ChatML one that keeps them
     tokenizer = copy.deepcopy(tokenizer)
@@ -93,7 +93,7 @@ def test_loss_from_target_positions_equals_the_full_logits_loss(
     import torch
     from transformers import AutoModelForCausalLM
 
-    import agentree.sft
+    import agentree.models.sft
 
     chat = ChatFormat(tokenizer)
     batch = [
@@ -118,7 +118,7 @@ def test_loss_from_target_positions_equals_the_full_logits_loss(
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    monkeypatch.setattr(agentree.sft, "SFT_LOGITS_CHUNK", 3)  # several slices per batch
+    monkeypatch.setattr(agentree.models.sft, "SFT_LOGITS_CHUNK", 3)  # several slices per batch
     loss, n = sft_loss(model, batch, pad, "cpu")
     loss.backward()
     assert n == count > 3
@@ -128,7 +128,7 @@ def test_loss_from_target_positions_equals_the_full_logits_loss(
 
     # one example at a time, gradients accumulated by target-token share: the same step
     model.zero_grad()
-    loss, n = agentree.sft._accumulate(model, batch, 1, pad, "cpu")
+    loss, n = agentree.models.sft._accumulate(model, batch, 1, pad, "cpu")
     assert n == count and loss == pytest.approx((total / count).item(), rel=1e-5)
     for p, g in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
@@ -197,7 +197,7 @@ def test_an_interrupted_fine_tune_resumes_where_it_stopped(
     import torch
     from safetensors.torch import load_file
 
-    import agentree.sft as sft
+    import agentree.models.sft as sft
 
     chat = ChatFormat(__import__("transformers").AutoTokenizer.from_pretrained(tiny_frozenlake))
     moves = ["Right", "Down", "Left", "Up"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentree.chat import ChatFormat
-from agentree.cli import main
+from agentree.commands.cli import main
 from agentree.config import load_config
 
 FAST = [
@@ -35,7 +35,7 @@ def tokenizer(smollm2: Path):
 
 
 def test_named_policy_resolves_to_the_cached_checkpoint(smollm2: Path, monkeypatch) -> None:
-    from agentree.models.pretrained import find_pretrained, local_policy
+    from agentree.hub.pretrained import find_pretrained, local_policy
 
     monkeypatch.setenv("AGENTREE_CACHE", str(smollm2.parent.parent))
     assert find_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct").name == "smollm2-135m"
@@ -77,8 +77,8 @@ def test_multi_turn_rollout_trains_on_the_sampled_ids(tmp_path: Path, smollm2: P
     """Token in, token out on a real BPE tokenizer: the log-probs recomputed for training on the
     stored ids equal the sampling log-probs (drift 0), and one RL step moves the policy along
     the advantages."""
-    from agentree.advantages import compute_advantages
-    from agentree.trainer import Trainer, make_batch, token_logprobs
+    from agentree.algorithms.advantages import compute_advantages
+    from agentree.run.trainer import Trainer, make_batch, token_logprobs
 
     cfg = load_config(
         "frozenlake_grpo_smollm2",
@@ -114,7 +114,7 @@ def test_multi_turn_rollout_trains_on_the_sampled_ids(tmp_path: Path, smollm2: P
 
 
 def test_sft_lowers_the_loss(tmp_path: Path, smollm2: Path) -> None:
-    from agentree.sft import SFTConfig, run_sft
+    from agentree.models.sft import SFTConfig, run_sft
 
     conv = [
         {"role": "user", "content": "P _ G"},
@@ -170,7 +170,7 @@ def test_lora_on_llama_modules_then_export_gives_the_same_greedy_tokens(
 def test_serve_answers_the_openai_client(smollm2: Path) -> None:
     import openai
 
-    from agentree.serve import start_server
+    from agentree.commands.serve import start_server
 
     handle = start_server(
         str(smollm2), backend="transformers", served_model_name="smollm2", log_fn=lambda m: None

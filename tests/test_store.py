@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from helpers import interruptible
 
-from agentree.models.store import build_once, cached_builds
+from agentree.hub.store import build_once, cached_builds
 
 BUILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from agentree.models.store import build_once
+    from agentree.hub.store import build_once
 
     target, seconds = Path(sys.argv[1]), float(sys.argv[2])
 
@@ -111,7 +111,7 @@ def test_an_exception_leaves_nothing_and_a_killed_builds_leftover_is_cleared(
 def test_models_build_fills_the_cache_that_a_run_and_models_list_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agentree.cli import main
+    from agentree.commands.cli import main
 
     monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path))
     argv = ["models", "build", "--env", "countdown", "--policy", "tiny"]

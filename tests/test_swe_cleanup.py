@@ -11,14 +11,14 @@ import pytest
 from helpers import interruptible
 from swe_support import assert_no_leftovers, local_records_fixture, owned_by  # noqa: F401
 
-from agentree.swe import runtime
+from agentree.envs.swe import runtime
 
 pytestmark = pytest.mark.docker
 
 CHILD = """
 import sys
-from agentree.envs.swe import SWEEnv
-from agentree.swe import runtime
+from agentree.envs.swe.env import SWEEnv
+from agentree.envs.swe import runtime
 
 mode = sys.argv[1]
 task = SWEEnv.load_tasks("local")[0]

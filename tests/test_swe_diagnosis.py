@@ -9,10 +9,10 @@ import signal
 import pytest
 from swe_support import assert_no_leftovers, local_records_fixture  # noqa: F401
 
-from agentree.cli import main
-from agentree.swe import runtime
-from agentree.swe.instances import from_record
-from agentree.swe.sandbox import Sandbox, SandboxConfig
+from agentree.commands.cli import main
+from agentree.envs.swe import runtime
+from agentree.envs.swe.instances import from_record
+from agentree.envs.swe.sandbox import Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.docker
 
@@ -43,7 +43,7 @@ def test_gold_patch_that_does_not_apply_is_reported(local_records, tmp_path):
 
 
 def test_empty_submission_is_not_an_applied_patch(local_records):
-    from agentree.swe.grading import grade
+    from agentree.envs.swe.grading import grade
 
     res = grade(from_record(local_records[0]), "")
     assert res.patch_applied is False and not res.resolved

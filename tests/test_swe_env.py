@@ -14,11 +14,11 @@ from swe_support import (
 )
 
 from agentree.envs import check_env, make_env
-from agentree.envs.swe import FORMAT_ERROR_KEY, SENTINEL, SUBMIT_ACTION, SWEEnv
-from agentree.swe import runtime
-from agentree.swe.grading import grade
-from agentree.swe.instances import from_record
-from agentree.swe.sandbox import SandboxError
+from agentree.envs.swe import runtime
+from agentree.envs.swe.env import FORMAT_ERROR_KEY, SENTINEL, SUBMIT_ACTION, SWEEnv
+from agentree.envs.swe.grading import grade
+from agentree.envs.swe.instances import from_record
+from agentree.envs.swe.sandbox import SandboxError
 
 pytestmark = pytest.mark.docker
 
@@ -261,8 +261,8 @@ def test_r2e_gym_instance_end_to_end(local_records, tmp_path):
     """An R2E-Gym style image (tests in /r2e_tests, /testbed/run_tests.sh) and record."""
     from test_swe_tasks import r2e_record_for
 
-    from agentree.swe import local_suite
-    from agentree.swe.sandbox import Sandbox, SandboxConfig
+    from agentree.envs.swe import local_suite
+    from agentree.envs.swe.sandbox import Sandbox, SandboxConfig
 
     slug = "stats"
     rec = r2e_record_for(slug, tmp_path)

@@ -9,8 +9,8 @@ import pytest
 from swe_support import assert_no_leftovers, require_docker
 
 from agentree.envs.base import Task
-from agentree.envs.swe import SENTINEL, SWEEnv, parse_commands
-from agentree.models.tiny import TinyModelConfig
+from agentree.envs.swe.env import SENTINEL, SWEEnv, parse_commands
+from agentree.hub.tiny import TinyModelConfig
 from agentree.swe import expert, generate
 
 FIXED = "def f(n):\n    if n < 0:\n        return 0\n    return n + 1\n"
@@ -292,7 +292,7 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
 
 
 def test_warm_command_writes_trajectories_for_another_model(tmp_path, capsys):
-    from agentree.swe.cli import main
+    from agentree.commands.swe import main
 
     records = _records(["durations", "roman"], 6)
     tasks = tmp_path / "tasks.jsonl"

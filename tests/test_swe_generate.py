@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 from swe_support import assert_no_leftovers, require_docker
 
-from agentree.swe import generate, local_suite
+from agentree.envs.swe import local_suite
+from agentree.swe import generate
 from agentree.swe.mutate import KINDS, mutations
 
 SOURCE = '''def f(x, y):
@@ -135,8 +136,8 @@ def test_split_keeps_whole_groups_out_and_is_seeded():
 @pytest.mark.docker
 def test_generate_validates_in_docker_and_the_records_grade_like_swebench(tmp_path):
     require_docker()
-    from agentree.swe.grading import grade
-    from agentree.swe.instances import from_record
+    from agentree.envs.swe.grading import grade
+    from agentree.envs.swe.instances import from_record
 
     records, report = generate.generate(3, seed=1, slugs=["roman"], heldout=0.34)
     assert report.kept == 3 and len(records) == 3

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from swe_support import assert_no_leftovers, local_records_fixture  # noqa: F401
 
-from agentree.swe.sandbox import _frames, _HeadTail
+from agentree.envs.swe.sandbox import _frames, _HeadTail
 
 
 def frame(payload: bytes, stream: int = 1) -> bytes:
@@ -77,8 +77,8 @@ def test_closing_line_is_taken_off_and_elision_counts_stay_exact() -> None:
 def test_a_command_that_kills_its_wrapper_is_answered(local_records) -> None:
     """No closing line because the command killed the wrapper (exit 137): its output is the
     command's output, not a cut stream."""
-    from agentree.swe.images import BASE_IMAGE
-    from agentree.swe.sandbox import Sandbox, SandboxConfig
+    from agentree.envs.swe.images import BASE_IMAGE
+    from agentree.envs.swe.sandbox import Sandbox, SandboxConfig
 
     with Sandbox(BASE_IMAGE, SandboxConfig(workdir="/", prewarm=0)) as sb:
         res = sb.exec("echo before; kill -9 -1; echo after", timeout=30)
@@ -108,8 +108,8 @@ def busy_cpus():
 def test_every_output_arrives_whole_with_the_cpu_saturated(local_records, busy_cpus) -> None:
     """8 sandboxes x 40 short commands at once, every core busy. Before the fix about 1 in 100
     came back empty with exit status 0 (1, 4 and 9 of 320 in three runs here)."""
-    from agentree.swe.images import BASE_IMAGE
-    from agentree.swe.sandbox import Sandbox, SandboxConfig
+    from agentree.envs.swe.images import BASE_IMAGE
+    from agentree.envs.swe.sandbox import Sandbox, SandboxConfig
 
     want = "".join(f"{i}\n" for i in range(1, 21))
 
@@ -129,8 +129,8 @@ def test_every_output_arrives_whole_with_the_cpu_saturated(local_records, busy_c
 def test_gold_patches_resolve_with_the_cpu_saturated(local_records, busy_cpus) -> None:
     """`agentree eval --policy gold` on the local suite, every core busy: 8/8 resolved, twice
     (before the fix: 6/8, the lost diffs graded as empty patches)."""
-    from agentree.envs.swe import SWEEnv, gold_policy
-    from agentree.evaluation import run_scripted
+    from agentree.envs.swe.env import SWEEnv, gold_policy
+    from agentree.run.evaluation import run_scripted
     from agentree.tree import EndReason
 
     tasks = SWEEnv.load_tasks("local")

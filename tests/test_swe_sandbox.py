@@ -18,8 +18,8 @@ from swe_support import (
     settle,
 )
 
-from agentree.swe import runtime
-from agentree.swe.sandbox import ImageStore, Sandbox, SandboxConfig, SandboxError
+from agentree.envs.swe import runtime
+from agentree.envs.swe.sandbox import ImageStore, Sandbox, SandboxConfig, SandboxError
 
 pytestmark = pytest.mark.docker
 
@@ -324,7 +324,7 @@ def test_cleanup_removes_what_dead_runs_left(image, docker):
 
 def test_cli_cleanup_and_build_local(local_records):
     env = dict(os.environ)
-    run = [sys.executable, "-m", "agentree.swe.cli", "swe"]
+    run = [sys.executable, "-m", "agentree.commands.swe", "swe"]
     r = subprocess.run([*run, "cleanup", "--dry-run"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "would remove" in r.stdout
     r = subprocess.run([*run, "build-local"], capture_output=True, text=True, env=env)

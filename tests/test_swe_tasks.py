@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from agentree.envs.base import Task
-from agentree.envs.swe import (
+from agentree.envs.swe import local_suite
+from agentree.envs.swe.env import (
     SENTINEL,
     SWEEnv,
     action_key,
     is_submit,
     parse_commands,
 )
-from agentree.swe import local_suite
-from agentree.swe.instances import (
+from agentree.envs.swe.instances import (
     EVAL_R2E,
     from_record,
     official_image,
@@ -383,7 +383,7 @@ def test_generate_tasks_is_seeded_and_bounded():
 
 def test_verified_offline_is_one_clear_error(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path))
-    code = "from agentree.envs.swe import SWEEnv\nSWEEnv.load_tasks('verified')"
+    code = "from agentree.envs.swe.env import SWEEnv\nSWEEnv.load_tasks('verified')"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode != 0
     assert "could not load princeton-nlp/SWE-bench_Verified" in r.stderr
@@ -422,8 +422,8 @@ def test_scripted_policies():
 
 def test_importing_agentree_does_not_import_docker():
     code = (
-        "import sys, agentree, agentree.envs, agentree.envs.swe, agentree.swe.sandbox, "
-        "agentree.swe.grading, agentree.swe.images, agentree.swe.cli\n"
+        "import sys, agentree, agentree.envs, agentree.envs.swe.env, agentree.envs.swe.sandbox, "
+        "agentree.envs.swe.grading, agentree.envs.swe.images, agentree.commands.swe\n"
         "assert 'docker' not in sys.modules, 'docker imported'\n"
         "assert 'swebench' not in sys.modules, 'swebench imported'\n"
     )

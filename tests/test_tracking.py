@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agentree.cli import main
+from agentree.commands.cli import main
 
 STEPS = 2
 TRAIN = [
@@ -111,7 +111,7 @@ def test_wandb_offline_run_has_metrics_and_tree_view_artifact(tracked_run):
 
 
 def test_plot_draws_the_run(tracked_run, tmp_path):
-    from agentree.plot import plot_runs
+    from agentree.commands.plot import plot_runs
 
     run, _ = tracked_run
     out = tmp_path / "curves.png"
@@ -127,7 +127,7 @@ def test_trackers_are_not_imported_unless_enabled(tmp_path):
     code = (
         "import sys\n"
         "from agentree.config import load_config\n"
-        "from agentree.tracking import Tracker\n"
+        "from agentree.run.tracking import Tracker\n"
         f"t = Tracker(load_config().log, {str(tmp_path)!r}, {{}})\n"
         "t.log({'step': 1, 'train/loss': 1.0}); t.close()\n"
         "assert not t.enabled\n"

@@ -12,9 +12,9 @@ import pytest
 import torch
 from small_policy import metric_rows
 
-import agentree.trainer as trainer_module
+import agentree.run.trainer as trainer_module
 from agentree.config import load_config
-from agentree.trainer import Trainer, make_batch, token_logprobs
+from agentree.run.trainer import Trainer, make_batch, token_logprobs
 
 SMALL = [
     "train.tasks_per_step=2",
@@ -93,7 +93,7 @@ def test_update_changes_weights_and_writes_run_dir(tmp_path, tiny_frozenlake):
 
 def test_update_moves_logprobs_along_the_advantages(tmp_path, tiny_frozenlake):
     """After one update, sum_t A_t * (log pi_new - log pi_old) > 0 on the batch's policy tokens."""
-    from agentree.advantages import compute_advantages
+    from agentree.algorithms.advantages import compute_advantages
 
     cfg = small_config(tmp_path, "train.lr=0.003", "train.kl_coef=0.0")
     tr = Trainer(cfg, tmp_path, log=lambda s: None)
@@ -246,7 +246,7 @@ def test_dynamic_sampling_drops_uninformative_groups(tmp_path, tiny_frozenlake):
 
 def test_learning_rate_schedules():
     from agentree.config import TrainConfig
-    from agentree.trainer import lr_at
+    from agentree.run.trainer import lr_at
 
     const = TrainConfig(lr=1.0, steps=10, warmup_steps=2)
     assert [lr_at(const, s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
@@ -265,7 +265,7 @@ if sys.argv[1] == "toggled":  # what a warm-start build leaves behind (`one_thre
     torch.set_num_threads(1)
     torch.set_num_threads(n)
 from agentree.config import load_config
-from agentree.trainer import Trainer
+from agentree.run.trainer import Trainer
 cfg = load_config("frozenlake_patr", select={"steps": "3", "output": sys.argv[2]},
                   overrides=json.loads(sys.argv[3]))
 tr = Trainer(cfg, Path(sys.argv[2]), log=lambda s: None)

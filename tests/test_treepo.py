@@ -10,9 +10,9 @@ from toy_policy import EOS, toy_context
 
 from agentree.config import load_config
 from agentree.envs.base import Task
-from agentree.rollout.tokentree import response_ids
-from agentree.rollout.treepo import TreePO, TreePOConfig, has_repetition, spread_budget
-from agentree.trainer import Trainer
+from agentree.rollout.token.tokentree import response_ids
+from agentree.rollout.token.treepo import TreePO, TreePOConfig, has_repetition, spread_budget
+from agentree.run.trainer import Trainer
 from agentree.tree import EndReason
 
 

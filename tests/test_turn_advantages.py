@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from agentree.advantages import (
+from agentree.algorithms.advantages import (
     check_advantage_options,
     compute_advantages,
     gigpo_advantages,

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_advantages import chain_tree, toy_tree
 
-from agentree.advantages import compute_advantages
+from agentree.algorithms.advantages import compute_advantages
 from agentree.config import TrainConfig, load_config
-from agentree.update import PolicyUpdate
+from agentree.learner.update import PolicyUpdate
 
 
 def row_sums(rows):

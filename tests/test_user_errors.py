@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentree.cli import main
+from agentree.commands.cli import main
 
 FAST = ["--set", "engine.max_tokens=4", "--set", "env.max_turns=2", "--set", "rollout.K=2"]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agentree.cli import main
+from agentree.commands.cli import main
 from agentree.tree import EndReason, Tree, save_trees
-from agentree.view import node_kind, render_html, rollout_group, view_data, write_view
+from agentree.viewer.pages import node_kind, render_html, rollout_group, view_data, write_view
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [

@@ -26,7 +26,7 @@ from agentree.config import load_config
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine
 from agentree.engines.vllm import VLLMEngine
-from agentree.trainer import Trainer, make_batch, token_logprobs
+from agentree.run.trainer import Trainer, make_batch, token_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -236,8 +236,8 @@ def test_trainer_updates_reach_the_engine(trainer, engine) -> None:
 def test_served_endpoint_answers_the_judge(trainer, engine) -> None:
     from test_judge import GREP, branch, heuristic_of, judge
 
+    from agentree.commands.serve import OpenAIServer, ServerHandle
     from agentree.policy import resolve_backend
-    from agentree.serve import OpenAIServer, ServerHandle
 
     assert resolve_backend("auto") == "vllm"  # `agentree serve` picks vLLM when installed
     api = OpenAIServer(engine, engine.tokenizer, "tiny-judge")
@@ -267,8 +267,8 @@ def test_skywork_prm_on_vllm_matches_transformers(tmp_path_factory) -> None:
     """The PRM scorer with backend vllm (a second, short-lived engine) scores as transformers."""
     from test_prm import swe_branch
 
-    from agentree.models.tiny import TinyModelConfig
-    from agentree.models.tiny_prm import build_tiny_prm
+    from agentree.hub.tiny import TinyModelConfig
+    from agentree.hub.tiny_prm import build_tiny_prm
     from agentree.scorers.prm import PRMConfig, PRMScorer
 
     shape = TinyModelConfig(  # head_dim 32, the smallest the CPU attention kernels take

@@ -103,7 +103,7 @@ def test_warm_build_is_keyed_on_what_changes_its_weights() -> None:
 
 @pytest.fixture(scope="module")
 def warm_runtime():
-    from agentree.runtime import Runtime
+    from agentree.run.runtime import Runtime
 
     cfg = load_config(overrides=["eval.tasks=24", "eval.samples=2"])
     rt = Runtime(cfg, log=lambda _: None)
@@ -112,7 +112,7 @@ def warm_runtime():
 
 
 def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
-    from agentree.evaluation import evaluate
+    from agentree.run.evaluation import evaluate
 
     cfg, rt = warm_runtime
     result = evaluate(rt, cfg, seed=0)

@@ -13,7 +13,7 @@ from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine
 from agentree.envs.base import env_class
-from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
+from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.rollout.base import RolloutContext
 from agentree.tree import Trajectory, Tree
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agentree.config import DistributedConfig, ExperimentConfig
-from agentree.launch import free_port
+from agentree.learner.launch import free_port
 from agentree.rollout.base import make_controller
 from agentree.scorers.base import scorer_class
 

@@ -3,8 +3,8 @@
 One actor per rank, each holding a GPU when the cluster has them. The rank-0 actor reports its
 node's address and a free port there; every actor then sets the variables torchrun would set
 (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `LOCAL_RANK`) and calls the entry-point
-function it was given, as the local launcher (`agentree.launch.spawn_ranks`) does in a process,
-so `init_distributed` joins the group as under torchrun (NCCL on GPUs, gloo on CPU).
+function it was given, as the local launcher (`agentree.learner.launch.spawn_ranks`) does in a
+process, so `init_distributed` joins the group as under torchrun (NCCL on GPUs, gloo on CPU).
 Rank 0's trainer then starts its rollout workers and engine replicas in the same Ray cluster
 (an actor is already connected to it).
 """
@@ -27,7 +27,7 @@ from agentree.distributed.cluster import (
     scorer_actor_needed,
     total,
 )
-from agentree.launch import free_port
+from agentree.learner.launch import free_port
 
 
 class RankActor:

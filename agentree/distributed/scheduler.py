@@ -36,7 +36,7 @@ from agentree.distributed.cluster import (
     total,
 )
 from agentree.envs.base import Task
-from agentree.lora import plain_state_dict
+from agentree.learner.lora import plain_state_dict
 from agentree.rollout.base import Controller, RolloutStats
 from agentree.rollouts import RolloutParts, check_not_empty
 from agentree.tree import EndReason, Tree

@@ -182,11 +182,11 @@ class RolloutWorker:
 def sweep_docker(*, stale: bool, force: bool = False) -> None:
     """Remove this process's Docker resources (and, with `stale`, those of dead processes on
     this host). Only when this process used Docker sandboxes, unless `force`."""
-    if "agentree.swe.runtime" not in sys.modules and not force:
+    if "agentree.envs.swe.runtime" not in sys.modules and not force:
         return
     with contextlib.suppress(Exception):  # no Docker here: nothing to sweep
-        # deferred: a loaded agentree.swe.runtime is the sign (above) that this process used
+        # deferred: a loaded agentree.envs.swe.runtime is the sign (above) that this process used
         # Docker; importing it at module level would make every worker look like one
-        from agentree.swe import runtime
+        from agentree.envs.swe import runtime
 
         runtime.cleanup(session=runtime.session_id(), stale=stale)

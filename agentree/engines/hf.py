@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from agentree.engines.base import Completion, EngineStats, SamplingParams
-from agentree.models.pretrained import local_policy
+from agentree.hub.pretrained import local_policy
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (keys, values), each [kv_heads, seq, head_dim] for one sequence."""

@@ -38,8 +38,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.envs.base import Task, env_class
-from agentree.models.pretrained import local_policy
-from agentree.models.store import build_once
+from agentree.hub.pretrained import local_policy
+from agentree.hub.store import build_once
 from agentree.scorers.base import make_scorer
 from agentree.tree import Node, Tree
 
@@ -112,7 +112,7 @@ def _build(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentree.models.tiny_prm import write_value_head
+    from agentree.hub.tiny_prm import write_value_head
     from agentree.scorers.prm import PRMConfig, PRMScorer
 
     t0 = time.perf_counter()
@@ -196,7 +196,7 @@ def scripted_episodes(
 ) -> list[tuple[Task, list[Node]]]:
     """(task, root-to-leaf nodes) of `cfg.episodes` scripted episodes on training tasks, with
     the env's `info` on every node as a rollout stores it (what the label scorer reads)."""
-    # deferred: agentree.models.warm imports torch through agentree.models.tiny (seconds)
+    # deferred: agentree.models.warm imports torch through agentree.hub.tiny (seconds)
     from agentree.models.warm import expert_steps
 
     cls = env_class(env_name)

@@ -2,7 +2,7 @@
 
 The papers start RL from an instruction-tuned model that already answers in format and is
 mediocre at the task. At toy scale the same starting point is the locally built tiny policy
-(`agentree.models.tiny`) supervised with `agentree.sft.run_sft` on demonstrations of a noisy
+(`agentree.hub.tiny`) supervised with `agentree.models.sft.run_sft` on demonstrations of a noisy
 expert, so that it answers in format and succeeds only part of the time:
 
 - FrozenLake: each turn the BFS-optimal move with probability `expert_prob`, otherwise a random
@@ -42,10 +42,10 @@ from agentree.envs.base import env_class, validate_env_kwargs
 from agentree.envs.countdown import solve
 from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal
 from agentree.envs.sokoban import SokobanEnv, shortest_first_moves, solve_moves
-from agentree.models.pretrained import local_policy
-from agentree.models.store import build_once, cache_root, content_key
-from agentree.models.tiny import TinyModelConfig, tiny_policy_for_env
-from agentree.sft import SFTConfig, run_sft
+from agentree.hub.pretrained import local_policy
+from agentree.hub.store import build_once, cache_root, content_key
+from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
+from agentree.models.sft import SFTConfig, run_sft
 
 WARM_ENVS = ("frozenlake", "countdown", "sokoban")
 BUILD_SETTINGS: dict[str, tuple[str, ...]] = {

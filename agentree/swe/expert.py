@@ -22,7 +22,7 @@ file, and the tests replay whole trajectories in Docker through `SWEEnv`, graded
 
 `warm_policy` builds (once, cached by content) a tokenizer trained on the trajectories with the
 command vocabulary and the literal text of the prompt templates as single tokens, a Qwen2 model
-larger than the default tiny one, and fine-tunes it with `agentree.sft.run_sft`.
+larger than the default tiny one, and fine-tunes it with `agentree.models.sft.run_sft`.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
-from agentree.envs.swe import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_commands
-from agentree.models.pretrained import local_policy
-from agentree.models.store import build_once, cache_root, content_key
-from agentree.models.tiny import TinyModelConfig, build_tiny_policy
+from agentree.envs.swe.env import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_commands
+from agentree.hub.pretrained import local_policy
+from agentree.hub.store import build_once, cache_root, content_key
+from agentree.hub.tiny import TinyModelConfig, build_tiny_policy
+from agentree.models.sft import SFTConfig, example_from_messages, run_sft
 from agentree.prompts import load, placeholders, render
-from agentree.sft import SFTConfig, example_from_messages, run_sft
 from agentree.swe.generate import fixed_files
 from agentree.swe.mutate import mutations
 

@@ -36,12 +36,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from agentree.envs.swe import images, local_suite, runtime
+from agentree.envs.swe.images import BASE_IMAGE
+from agentree.envs.swe.instances import END, START
+from agentree.envs.swe.sandbox import Sandbox, SandboxConfig
 from agentree.prompts import render
-from agentree.swe import images, local_suite, runtime
-from agentree.swe.images import BASE_IMAGE
-from agentree.swe.instances import END, START
 from agentree.swe.mutate import Mutation, mutations
-from agentree.swe.sandbox import Sandbox, SandboxConfig
 
 ID_PREFIX = "agentree-gen__"
 TEST_CMD = "python3 -m pytest --no-header -rA --tb=short -p no:cacheprovider tests"

@@ -1,0 +1,435 @@
+"""The environment contract: text in, text out, and forkable.
+
+Subclass `Env`, implement `reset`/`step` (gymnasium semantics) and, if the env can be forked
+mid-episode, `snapshot`/`restore`. Register it with `@register_env("name")` or point agentree at
+it with `--env package.module:Class`. Run `check_env(env)` to verify it is deterministic under a
+seed and that snapshot/restore reproduces the same futures.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import gymnasium
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from agentree.registry import Registry
+
+EVAL_SEED_OFFSET = 1_000_000_000
+"""Held-out tasks draw seeds from here up, train tasks from below: the splits never overlap."""
+
+
+class ForkNotSupported(NotImplementedError):
+    """Raised by `snapshot`/`restore` on an env that cannot be forked mid-episode."""
+
+
+class EnvCheckError(AssertionError):
+    """`check_env` found the env non-deterministic, unforkable or off-contract."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one episode is about. `reset(seed=task.seed, options=task.options)` starts it."""
+
+    id: str
+    seed: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "seed": self.seed, "options": self.options}
+
+
+class EnvConfig(BaseModel):
+    """Base for an env's constructor arguments; unknown keys are an error naming the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Env(gymnasium.Env):
+    """A text environment: observations and actions are strings.
+
+    `reset(*, seed, options) -> (obs, info)` and
+    `step(action) -> (obs, reward, terminated, truncated, info)` follow gymnasium.
+    `snapshot()` returns an opaque state capturing everything `step` depends on; `restore(state)`
+    returns the env to it, any number of times and in any order, and also on a *different*
+    instance built with the same config (that is how a branch forks into a new env), even one
+    that was never reset. `close()` is idempotent and releases every resource the env holds
+    (processes, containers, temp dirs).
+
+    Info keys agentree reads: `action_key` (canonical form of the parsed action; repeated-action
+    pruning compares these, default: the stripped action text), `success` (episode solved;
+    default: reward >= 1), `prediction` (a SWE-bench style prediction dict, written to
+    predictions.jsonl by `agentree eval`), `format_error` (True when the action could not be
+    parsed into a well-formed action, False when it could; summaries report the well-formed
+    fraction and warn when it is zero).
+    """
+
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    """Validated constructor kwargs; subclasses narrow it."""
+
+    system_prompt: str | None = None
+    """Optional system message placed before the first observation."""
+
+    stop_sequences: tuple[str, ...] = ()
+    """Strings that complete an action: the policy's turn ends as soon as it writes one."""
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    # -- forking ----------------------------------------------------------------------------
+    def snapshot(self) -> Any:
+        raise ForkNotSupported(
+            f"{type(self).__name__} does not implement snapshot()/restore(), so it cannot be "
+            "forked mid-episode; use a flat rollout (--rollout grpo) or implement them."
+        )
+
+    def restore(self, state: Any) -> None:
+        raise ForkNotSupported(
+            f"{type(self).__name__} does not implement snapshot()/restore(), so it cannot be "
+            "forked mid-episode; use a flat rollout (--rollout grpo) or implement them."
+        )
+
+    def close(self) -> None:
+        """Release resources; safe to call more than once."""
+
+    # -- state identity ---------------------------------------------------------------------
+    def state_key(self) -> str | None:
+        """A string equal for two positions of the env iff they are the same state, or None.
+
+        Step-level estimators (GiGPO's anchor states, RTMC's signatures) group the turns of a
+        task's rollouts taken from equal keys. agentree records the key on each tree node
+        (`node.info["state_key"]`) right after `reset`/`step`; None (the default) means the
+        observation text stands for the state. Override it when the observation carries more
+        than the state (an invalid-action notice, a turn counter) or less.
+        """
+        return None
+
+    # -- tasks ------------------------------------------------------------------------------
+    @classmethod
+    def load_tasks(
+        cls, spec: int | str | Path | None = None, *, seed: int = 0, split: str = "train"
+    ) -> list[Task]:
+        """Tasks from a count (seeded, split-disjoint), a JSON/JSONL file, or a named source."""
+        if spec is None:
+            spec = 16
+        if isinstance(spec, str) and spec.isdigit():
+            spec = int(spec)
+        if isinstance(spec, int):
+            return cls.generate_tasks(spec, seed=seed, split=split)
+        path = Path(spec)
+        if path.suffix in {".json", ".jsonl"} or path.exists():
+            return records_to_tasks(cls, read_records(path), path)
+        return cls.named_tasks(str(spec), seed=seed, split=split)
+
+    @classmethod
+    def generate_tasks(cls, n: int, *, seed: int = 0, split: str = "train") -> list[Task]:
+        """The first `n` tasks of the env's default source: one reset seed per task."""
+        base = (EVAL_SEED_OFFSET if split == "eval" else 0) + seed * 100_003
+        return [Task(id=f"{split}-{seed}-{i}", seed=base + i) for i in range(n)]
+
+    @classmethod
+    def named_tasks(cls, name: str, *, seed: int = 0, split: str = "train") -> list[Task]:
+        raise ValueError(
+            f"{cls.__name__} has no task source named {name!r} and no file {name!r} exists; "
+            "pass a count, a JSON/JSONL file of tasks, or a source the env documents."
+        )
+
+    @classmethod
+    def task_from_record(cls, record: dict[str, Any]) -> Task:
+        """Map one JSON record to a Task; the default reads {"id", "seed", "options"}."""
+        known = {"id", "seed", "options"}
+        if not isinstance(record, dict) or not known.issuperset(record) or "id" not in record:
+            raise ValueError(
+                f"{cls.__name__} expects task records like "
+                '{"id": "...", "seed": 1, "options": {...}}, got keys '
+                f"{sorted(record) if isinstance(record, dict) else type(record).__name__}"
+            )
+        seed, options = record.get("seed"), record.get("options")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f'"seed" must be an integer or null, got {seed!r}')
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f'"options" must be a mapping of reset options, got {options!r}')
+        return Task(str(record["id"]), seed, dict(options or {}))
+
+    @classmethod
+    def prepare_tasks(
+        cls,
+        tasks: Sequence[Task],
+        *,
+        progress: Callable[[str], None] | None = None,
+        **config: Any,
+    ) -> None:
+        """Make sure `tasks` can run with env settings `config` (e.g. build missing images,
+        reporting through `progress`); the default does nothing."""
+
+    @classmethod
+    def scripted_policy(cls, name: str) -> ScriptedPolicy | None:
+        """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None."""
+        return None
+
+    # -- helpers for tooling ----------------------------------------------------------------
+    def example_actions(self) -> list[str]:
+        """A few well-formed actions, used by `check_env` and to build tiny tokenizers.
+
+        The default samples `action_space` when the env defines one (gymnasium leaves it
+        unset on text envs), else returns none: agentree then asks for them where it needs them.
+        """
+        space = getattr(self, "action_space", None)
+        return [str(space.sample()) for _ in range(4)] if space is not None else []
+
+    def corpus(self, tasks: Sequence[Task]) -> list[str]:
+        """Representative text (observations and actions) for training a tiny tokenizer."""
+        texts = [self.system_prompt or ""]
+        for task in tasks:
+            obs, _ = self.reset(seed=task.seed, options=task.options)
+            texts.append(obs)
+            for a in self.example_actions():
+                texts.append(a)
+                obs, _, term, trunc, _ = self.step(a)
+                texts.append(obs)
+                if term or trunc:
+                    break
+        return texts
+
+
+def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
+    """`env.reset` for `task`; whatever goes wrong becomes one `ValueError` naming the task."""
+    try:
+        return env.reset(seed=task.seed, options=task.options)
+    except Exception as e:
+        raise ValueError(
+            f"task {task.id} ({_preview(task.to_dict())}) could not be reset: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+ScriptedPolicy = Callable[[Task, list[tuple[str, str]]], str]
+"""(task, [(action, observation), ...] so far) -> next action text."""
+
+
+def records_to_tasks(cls: type[Env], records: Iterable[Any], source: str | Path) -> list[Task]:
+    """Map records through `cls.task_from_record`; an error names `source` and the record."""
+    tasks = []
+    for i, record in enumerate(records, 1):
+        try:
+            tasks.append(cls.task_from_record(record))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{source}: record {i} ({_preview(record)}): {e}") from None
+    return tasks
+
+
+def _preview(record: Any, limit: int = 120) -> str:
+    try:
+        text = json.dumps(record, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        text = repr(record)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records from a JSON list/object file or a JSONL file, with errors naming the line."""
+    if not path.exists():
+        raise FileNotFoundError(f"task file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        out = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        return out
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    return data if isinstance(data, list) else [data]
+
+
+# -- registry -------------------------------------------------------------------------------
+ENVS: Registry[type[Env]] = Registry(
+    "env",
+    Env,
+    {
+        "frozenlake": "agentree.envs.frozenlake:FrozenLakeEnv",
+        "swebench": "agentree.envs.swe.env:SWEEnv",
+        "countdown": "agentree.envs.countdown:CountdownEnv",
+        "math": "agentree.envs.math:MathEnv",
+        "sokoban": "agentree.envs.sokoban:SokobanEnv",
+    },
+)
+
+
+def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
+    """Class decorator: make an Env subclass available as `make_env(name)` / `--env name`."""
+    return ENVS.register(name)
+
+
+def env_names() -> list[str]:
+    return ENVS.names()
+
+
+def env_class(name: str) -> type[Env]:
+    """Resolve a registered name or a `module:Class` path to an Env subclass."""
+    return ENVS.get(name)
+
+
+def validate_env_kwargs(cls: type[Env], kwargs: dict[str, Any], where: str = "env") -> dict:
+    """Check kwargs against `cls.Config`; returns them with defaults filled in."""
+    try:
+        return cls.Config(**kwargs).model_dump()
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, where)) from None
+
+
+def make_env(name: str, **kwargs: Any) -> Env:
+    """Instantiate an env by registered name or `module:Class`, validating its kwargs."""
+    cls = env_class(name)
+    return cls(**validate_env_kwargs(cls, kwargs))
+
+
+def format_validation_error(e: ValidationError, where: str) -> str:
+    parts = []
+    for err in e.errors():
+        key = ".".join([where, *[str(x) for x in err["loc"]]])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown config key '{key}'")
+        else:
+            parts.append(f"bad value for '{key}': {err['msg']}")
+    return "; ".join(parts)
+
+
+# -- checker --------------------------------------------------------------------------------
+def check_env(
+    env: Env,
+    *,
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    actions: Sequence[str] | None = None,
+    require_fork: bool = True,
+) -> dict[str, Any]:
+    """Check an env against the contract; raise `EnvCheckError` listing what failed.
+
+    Checks: reset/step types; seeded reset is deterministic; the same seed and actions give the
+    same episode; snapshot/restore reproduces the next step exactly, also when one snapshot is
+    restored several times and snapshots are restored out of order; close is idempotent.
+    Returns a small report ({"deterministic": True, "forkable": bool, ...}).
+    """
+    acts = list(actions) if actions is not None else list(env.example_actions())
+    if not acts:
+        raise EnvCheckError(
+            "check_env needs sample actions: pass actions=[...] or implement "
+            f"{type(env).__name__}.example_actions()"
+        )
+    problems: list[str] = []
+
+    def episode() -> list[tuple]:
+        obs, info = env.reset(seed=seed, options=options)
+        _check_reset(obs, info, problems)
+        out: list[tuple] = [(obs,)]
+        for a in acts:
+            res = env.step(a)
+            _check_step(res, problems)
+            out.append(tuple(res[:4]))
+            if res[2] or res[3]:
+                break
+        return out
+
+    first, second = episode(), episode()
+    if first[0] != second[0]:
+        problems.append(
+            "reset(seed=...) is not deterministic: two resets gave different observations"
+        )
+    elif first != second:
+        problems.append(
+            "the same seed and actions gave different episodes (step is not deterministic)"
+        )
+
+    forkable = True
+    try:
+        _check_fork(env, seed, options, acts, problems)
+    except ForkNotSupported as e:
+        forkable = False
+        if require_fork:
+            problems.append(str(e))
+    env.close()
+    try:
+        env.close()
+    except Exception as e:  # any exception here is a contract violation
+        problems.append(f"close() is not idempotent: second call raised {e!r}")
+    if problems:
+        raise EnvCheckError(f"{type(env).__name__} failed check_env:\n- " + "\n- ".join(problems))
+    return {"deterministic": True, "forkable": forkable, "steps_checked": len(first) - 1}
+
+
+def _check_reset(obs: Any, info: Any, problems: list[str]) -> None:
+    if not isinstance(obs, str):
+        problems.append(f"reset() must return a str observation, got {type(obs).__name__}")
+    if not isinstance(info, dict):
+        problems.append(f"reset() must return an info dict, got {type(info).__name__}")
+
+
+def _check_step(res: Any, problems: list[str]) -> None:
+    if not (isinstance(res, tuple) and len(res) == 5):
+        problems.append("step() must return (obs, reward, terminated, truncated, info)")
+        return
+    obs, reward, term, trunc, info = res
+    if not isinstance(obs, str):
+        problems.append(f"step() observation must be str, got {type(obs).__name__}")
+    if not isinstance(reward, int | float):
+        problems.append(f"step() reward must be a number, got {type(reward).__name__}")
+    if not isinstance(term, bool) or not isinstance(trunc, bool):
+        problems.append("step() terminated/truncated must be bools")
+    if not isinstance(info, dict):
+        problems.append("step() info must be a dict")
+
+
+def _check_fork(
+    env: Env, seed: int, options: dict | None, acts: list[str], problems: list[str]
+) -> None:
+    """Snapshot at two points, then replay the next step from each in a scrambled order."""
+    env.reset(seed=seed, options=options)
+    snaps: list[tuple[Any, tuple]] = []
+    for i, a in enumerate(acts):
+        state = env.snapshot()
+        state_copy = copy.deepcopy(state) if _cheap_to_copy(state) else None
+        res = env.step(a)
+        snaps.append((state, tuple(res[:4]), a))
+        if state_copy is not None and not _same(state_copy, state):
+            problems.append("stepping the env mutated a snapshot taken before the step")
+        if res[2] or res[3] or i >= 3:
+            break
+    order = list(range(len(snaps)))
+    order = order[::-1] + order + [order[0]]  # out of order, then in order, then one again
+    for k in order:
+        state, expected, a = snaps[k]
+        try:
+            env.restore(state)
+            got = tuple(env.step(a)[:4])
+        except ForkNotSupported:
+            raise
+        except Exception as e:  # report, don't crash the checker
+            problems.append(f"restore/step from snapshot {k} raised {e!r}")
+            return
+        if got != expected:
+            problems.append(
+                f"restoring snapshot {k} and repeating action {a!r} gave {got[:2]!r}, "
+                f"expected {expected[:2]!r} (fork is not faithful)"
+            )
+            return
+
+
+def _cheap_to_copy(state: Any) -> bool:
+    return isinstance(state, dict | list | tuple | str | int | float | bytes)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. numpy arrays inside: treat as unknown, not failure
+        return True

@@ -1,0 +1,171 @@
+"""One policy update on a batch of rollout groups: advantages, micro-batches, clipped loss,
+gradient accumulation, optimiser steps.
+
+The objective is `agentree.algorithms.loss.policy_loss` (see `agentree.run.trainer` for the
+formula). With `epochs == minibatches == 1` the update is fully on-policy: pi_old equals the
+current weights, so its log-probs are the detached ones of the training forward and need no extra
+pass. Otherwise pi_old is recomputed once before the first optimiser step, as verl does. For stale
+data (`stale=True`: sampled by weights older than the current ones, `train.async_steps=1`)
+pi_old is the behaviour policy itself, i.e. the sampling log-probs stored in the tree, so the
+ratio corrects for the staleness instead of hiding it. The loss
+normaliser of each optimiser step is computed over all of its micro-batches, so gradient
+accumulation gives the gradient of the whole minibatch. Micro-batches are padded rows or
+tree-packed rows (`train.packing`, `agentree.algorithms.packing`); both give the loss the same
+tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentree.algorithms.advantages import compute_advantages
+from agentree.algorithms.batching import Batch
+from agentree.algorithms.loss import loss_normalizer, policy_loss
+from agentree.algorithms.packing import (
+    PackedBatch,
+    attention_break_even,
+    batch_logprobs,
+    choose_layout,
+)
+from agentree.config import TrainConfig
+from agentree.tree import Trajectory, Tree
+
+
+class PolicyUpdate:
+    """Holds the trainable model, the frozen reference (when KL is on) and the optimiser."""
+
+    def __init__(
+        self,
+        model: Any,
+        tc: TrainConfig,
+        *,
+        ref: Any = None,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.model = model
+        self.tc = tc
+        self.ref = ref
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.rng = rng or random.Random(0)
+        self.opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=tc.lr,
+            weight_decay=tc.weight_decay,
+            betas=(0.9, 0.999),
+        )
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def global_sum(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks; one process holds the whole batch."""
+        return values
+
+    def batches(
+        self, trees: list[Tree], groups: list[list[Trajectory]]
+    ) -> list[Batch] | list[PackedBatch]:
+        """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
+        tc = self.tc
+        kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
+        kw.update(tc.advantage_options)
+        advs = compute_advantages(tc.advantage, trees, groups, **kw)
+        kappa = attention_break_even(self.model)
+        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
+
+    def __call__(
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        lr: float | Callable[[], float],
+        stale: bool = False,
+    ) -> dict[str, float]:
+        tc = self.tc
+        temp = self.temperature
+        lc = tc.logits_chunk  # tokens per output-layer slice (0: all at once)
+        micro = self.batches(trees, groups)
+        on_policy = tc.epochs == 1 and tc.minibatches == 1 and not stale
+        old: list[torch.Tensor | None] = []
+        ref: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            self.model.eval()
+            for b in micro:
+                if stale:
+                    old.append(b.sampled_lp.float())
+                else:
+                    old.append(None if on_policy else batch_logprobs(self.model, b, temp, lc).cpu())
+                ref.append(
+                    None if self.ref is None else batch_logprobs(self.ref, b, temp, lc).cpu()
+                )
+        (n_tok,) = self.global_sum([float(sum(b.mask.sum() for b in micro))])
+        drift = 0.0
+        sums: dict[str, float] = {}
+        self.model.train()
+        dev = next(self.model.parameters()).device
+        for epoch in range(tc.epochs):
+            idx = list(range(len(micro)))
+            self.rng.shuffle(idx)
+            per = math.ceil(len(idx) / tc.minibatches)
+            for s in range(0, len(idx), per):
+                chunk = idx[s : s + per]
+                # the normaliser of the whole optimiser step, over all ranks: exact gradients
+                (norm,) = self.global_sum(
+                    [sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)]
+                )
+                self.opt.zero_grad(set_to_none=True)
+                for i in chunk:
+                    b = micro[i]
+                    lp = batch_logprobs(self.model, b, temp, lc)
+                    old_i = old[i]
+                    old_lp = lp.detach() if old_i is None else old_i.to(dev)
+                    if epoch == 0:  # stale data: drift of the current weights from the sampler
+                        cur = (lp.detach() if stale else old_lp).cpu()
+                        drift += float(((cur - b.sampled_lp).abs() * b.mask).sum())
+                    ref_i = ref[i]
+                    loss, met = policy_loss(
+                        lp,
+                        old_lp,
+                        b.adv.to(dev),
+                        b.mask.to(dev),
+                        eps_low=tc.eps_low,
+                        eps_high=tc.eps_high,
+                        agg=tc.loss_agg,
+                        ref_logprobs=None if ref_i is None else ref_i.to(dev),
+                        kl_coef=tc.kl_coef,
+                        normalizer=norm,
+                        clip_ratio_c=tc.clip_ratio_c,
+                        log_ratio_clamp=tc.log_ratio_clamp,
+                    )
+                    loss.backward()
+                    w = float(b.mask.sum())
+                    sums["train/loss"] = sums.get("train/loss", 0.0) + float(loss.detach())
+                    for k, v in met.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # sharded grads
+                sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gn)
+                self.set_lr(lr() if callable(lr) else lr)
+                self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        keys = sorted(k for k in sums if k != "train/grad_norm")  # the norm is already global
+        sums.update(zip(keys, self.global_sum([sums[k] for k in keys]), strict=True))
+        (drift,) = self.global_sum([drift])
+        steps = tc.epochs * math.ceil(len(micro) / math.ceil(len(micro) / tc.minibatches))
+        scalar = ("train/loss", "train/grad_norm")
+        out = {k: v / float(n_tok) / tc.epochs for k, v in sums.items() if k not in scalar}
+        out["train/loss"] = sums.get("train/loss", 0.0) / steps
+        out["train/grad_norm"] = sums.get("train/grad_norm", 0.0) / steps
+        out["train/logprob_drift"] = float(drift / max(float(n_tok), 1.0))
+        out["train/policy_tokens"] = float(n_tok)
+        out["train/forward_tokens"] = float(sum(b.ids.numel() for b in micro))
+        out["train/packed"] = float(isinstance(micro[0], PackedBatch))
+        out["train/lr"] = self.opt.param_groups[0]["lr"]
+        return out

@@ -1,0 +1,108 @@
+"""ARPO baseline: entropy-guided branching after observations (Dong et al., 2025).
+
+N global trajectories start from the task. Each trajectory's initial entropy H_init is the mean
+token entropy of the first k tokens of its first response. After every observation the policy's
+next response is sampled; if its first-k mean entropy H_t has risen relative to H_init, i.e.
+alpha + beta * (H_t - H_init) / H_init > tau, the branch forks Z extra partial samples from that
+same state (env forked by snapshot/restore). Branching stops when the group budget G is
+reached; if every branch ends below G, fresh global samples top the group up.
+
+The paper normalises the entropy change without fixing the scale; we use the relative change,
+which makes tau readable ("branch when entropy rose by more than 20%").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from agentree.engines.base import Completion
+from agentree.envs.base import Task
+from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
+from agentree.rollout.turn.turns import Branch, TurnRunner
+from agentree.tree import Tree
+
+
+class ARPOConfig(ControllerConfig):
+    G: int = Field(8, ge=1)
+    """Total trajectory budget per task."""
+    N: int = Field(4, ge=1)
+    """Initial global trajectories."""
+    Z: int = Field(2, ge=1)
+    """Extra partial samples forked at a high-entropy step."""
+    k: int = Field(10, ge=1)
+    """Leading response tokens whose mean entropy is compared."""
+    alpha: float = 0.0
+    """Base branching propensity."""
+    beta: float = 1.0
+    """Weight of the relative entropy change."""
+    tau: float = 0.2
+    """Branch when alpha + beta * dH exceeds this."""
+
+
+class ARPO(Controller):
+    name = "arpo"
+    Config = ARPOConfig
+    requires_fork = True
+    config: ARPOConfig
+
+    def group_size(self) -> int:
+        return self.config.G
+
+    def rollout(
+        self, tasks: Sequence[Task], ctx: RolloutContext
+    ) -> tuple[list[Tree], RolloutStats]:
+        cfg = self.config
+        stats = RolloutStats()
+        t0 = time.perf_counter()
+        h_init: dict[int, float] = {}  # id(branch) -> initial entropy of its trajectory
+        with TurnRunner(ctx, stats) as runner:
+            groups = runner.start(tasks, min(cfg.N, cfg.G), fork=True)
+            trees = [g[0].tree for g in groups]
+            count = {id(t): len(g) for t, g in zip(trees, groups, strict=True)}
+            live = [b for g in groups for b in g]
+            while live:
+                comps = runner.generate(live, entropy=True)
+                extra: list[Branch] = []
+                for b, c in zip(live, comps, strict=True):
+                    h = _lead_entropy(c, cfg.k)
+                    if b.turn == 0:
+                        h_init[id(b)] = h
+                        continue
+                    base = h_init.get(id(b), h)
+                    dh = (h - base) / base if base > 0 else 0.0
+                    room = cfg.G - count[id(b.tree)]
+                    if cfg.alpha + cfg.beta * dh > cfg.tau and room > 0:
+                        z = min(cfg.Z, room)
+                        count[id(b.tree)] += z
+                        stats.expanded += 1
+                        b.tree.nodes[b.node].info["arpo_branch"] = {"dH": dh, "Z": z}
+                        forks = runner.fork(b, z + 1)[1:]
+                        for f in forks:
+                            h_init[id(f)] = base
+                        extra += forks
+                comps = list(comps)
+                if extra:
+                    comps += runner.generate(extra, entropy=True)
+                live, _ = runner.advance(live + extra, comps)
+                if not live:
+                    live = self._top_up(runner, trees, tasks, count, h_init)
+                ctx.report(f"{self.name}: {len(live)} active branches")
+        return self.finish(trees, stats, t0)
+
+    def _top_up(self, runner, trees, tasks, count, h_init) -> list[Branch]:
+        """Fresh global samples for trees that ended below the budget."""
+        out: list[Branch] = []
+        for tree, task in zip(trees, tasks, strict=True):
+            missing = self.config.G - count[id(tree)]
+            if missing > 0:
+                count[id(tree)] += missing
+                out += runner.add_root_branches(tree, task, missing)
+        return out
+
+
+def _lead_entropy(c: Completion, k: int) -> float:
+    ents = (c.entropies or [])[:k]
+    return sum(ents) / len(ents) if ents else 0.0

@@ -1,0 +1,212 @@
+"""Held-out evaluation for `agentree train` (every `eval_every` steps), `agentree eval` and
+`agentree view`, with one success rule (`success`): a leaf that ended in an env error or a
+timeout failed; otherwise the env's `success` flag at the leaf decides, else a return >= 1.
+
+`agentree eval` runs trajectories on a task set and reports the success (resolved) rate.
+
+The policy is either a model (sampled through the engine, `samples` trajectories per task) or a
+scripted sanity policy the env provides (SWE's `gold` and `empty`). Every task counts: a task
+that errors, times out or produces nothing is a failure, never silently dropped. Writes
+`eval.json` (summary, per-task results, timings), `predictions.jsonl` when the env reports
+SWE-bench style predictions, and the trees under `trees/`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from agentree.config import ExperimentConfig
+from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
+from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
+from agentree.run.runtime import Runtime
+from agentree.tree import EndReason, Tree, save_trees
+
+
+def evaluate(
+    rt: Runtime,
+    cfg: ExperimentConfig,
+    *,
+    seed: int,
+    tasks: Sequence[Task] | None = None,
+    samples: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Success rate on held-out tasks: `samples` independent trajectories per task, sampled at
+    `eval.temperature` through the runtime's rollouts (in-process or on Ray)."""
+    if tasks is None:
+        tasks = rt.tasks.get("eval") or rt.load_tasks(cfg.eval.tasks, split="eval")
+    k = samples or cfg.eval.samples
+    rt.engine.seed(seed)
+    t0 = time.perf_counter()
+    trees, stats = rt.rollouts.rollout(
+        list(tasks),
+        controller=FlatGRPO(FlatConfig(G=k)),
+        temperature=cfg.eval.temperature,
+        rng=random.Random(seed),
+        progress=progress,
+    )
+    result = summarise(trees, cfg.policy.path, time.perf_counter() - t0, samples=k)
+    return {**result, "trees": trees, "stats": stats}
+
+
+def run_eval(
+    cfg: ExperimentConfig,
+    out_dir: Path,
+    *,
+    tasks: str | None = None,
+    samples: int = 1,
+    log: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    env_name, env_kwargs = cfg.component("env")
+    cls = env_class(env_name)
+    spec = tasks if tasks is not None else cfg.eval.tasks
+    task_list = cls.load_tasks(spec, seed=cfg.seed, split="eval")
+    cls.prepare_tasks(task_list, progress=log, **env_kwargs)
+    scripted = cls.scripted_policy(cfg.policy.path)
+    t0 = time.perf_counter()
+    if scripted is not None:
+        log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
+        trees = run_scripted(cls, env_kwargs, scripted, task_list, cfg.engine.env_workers)
+    else:
+        rt = Runtime(cfg, log=log)
+        try:
+            log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
+            trees = evaluate(
+                rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples, progress=progress
+            )["trees"]
+        finally:
+            rt.close()
+    result = summarise(trees, cfg.policy.path, time.perf_counter() - t0)
+    _write(out_dir, trees, result)
+    return result
+
+
+def run_scripted(
+    cls: type[Env],
+    env_kwargs: dict[str, Any],
+    policy: ScriptedPolicy,
+    tasks: Sequence[Task],
+    workers: int,
+) -> list[Tree]:
+    """One episode per task with a scripted policy; envs always closed, errors recorded.
+
+    On Ctrl-C every running episode stops after its current step and closes its env before the
+    interrupt propagates, so nothing is left running.
+    """
+    stop = threading.Event()
+
+    def episode(task: Task) -> Tree:
+        tree = Tree(task.id, task.to_dict())
+        env = cls(**env_kwargs)
+        t0 = time.perf_counter()
+        try:
+            obs, info = env.reset(seed=task.seed, options=task.options)
+            tree.add_root(obs, [], {"env": info})
+            node, history = 0, []
+            while True:
+                if stop.is_set():
+                    raise KeyboardInterrupt
+                action = policy(task, history)
+                obs, reward, term, trunc, info = env.step(action)
+                history.append((action, obs))
+                n = tree.add_child(
+                    node,
+                    action=action,
+                    observation=obs,
+                    reward=float(reward),
+                    terminated=term,
+                    truncated=trunc,
+                    info={"env": info},
+                )
+                node = n.id
+                if term or trunc:
+                    n.end_reason = EndReason.COMPLETED if term else EndReason.MAX_TURNS
+                    break
+        except Exception as e:  # the task fails; the evaluation goes on (Ctrl-C propagates)
+            if not tree.nodes:
+                tree.add_root("", [], {})
+            leaf = tree.nodes[-1] if len(tree.nodes) > 1 else tree.add_child(0)
+            leaf.end_reason = EndReason.ENV_ERROR
+            leaf.info["error"] = repr(e)
+        finally:
+            env.close()
+        tree.meta["wall_s"] = round(time.perf_counter() - t0, 3)
+        return tree
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(tasks))))
+    try:
+        futures = [pool.submit(episode, t) for t in tasks]
+        return [f.result() for f in futures]
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def summarise(
+    trees: Sequence[Tree], policy: str, wall_s: float, samples: int | None = None
+) -> dict[str, Any]:
+    """Per-task results and the summary (success rate, pass@k, mean return) of `trees`."""
+    per_task = []
+    predictions = []
+    for tree in trees:
+        leaves = tree.finished_leaves()
+        wins = [tree.success(leaf.id) for leaf in leaves]
+        item: dict[str, Any] = {
+            "task_id": tree.task_id,
+            "success": sum(wins) / len(wins) if wins else 0.0,
+            "solved": any(wins),
+            "samples": len(leaves),
+            "rewards": [sum(n.reward for n in tree.path(leaf.id)) for leaf in leaves],
+            "end_reasons": [str(leaf.end_reason) for leaf in leaves],
+            "turns": [leaf.turn for leaf in leaves],
+            "wall_s": tree.meta.get("wall_s"),
+        }
+        errors = [leaf.info["error"] for leaf in leaves if "error" in leaf.info]
+        if errors:
+            item["errors"] = errors
+        for leaf in leaves:
+            pred = leaf.info.get("env", {}).get("prediction")
+            if pred is not None:
+                predictions.append({**pred, "model_name_or_path": policy})
+                if "grading" in leaf.info.get("env", {}):
+                    item["grading"] = leaf.info["env"]["grading"]
+        per_task.append(item)
+    n = max(len(per_task), 1)
+    rate = sum(p["success"] for p in per_task) / n
+    summary: dict[str, Any] = {
+        "success_rate": rate,
+        "pass_at_k": sum(p["solved"] for p in per_task) / n,
+        "reward_mean": sum(sum(p["rewards"]) / max(len(p["rewards"]), 1) for p in per_task) / n,
+        "tasks": len(per_task),
+        "samples": samples or max((p["samples"] for p in per_task), default=0),
+        "policy": policy,
+        "wall_s": round(wall_s, 2),
+        "metric": "success_rate",
+    }
+    if predictions:
+        # SWE-bench convention: unresolved, empty, errored and missing all count as failures
+        summary["resolved_rate"] = rate
+        summary["metric"] = "resolved_rate"
+    return {"summary": summary, "per_task": per_task, "predictions": predictions}
+
+
+def _write(out_dir: Path, trees: Sequence[Tree], result: dict[str, Any]) -> None:
+    save_trees(trees, out_dir / "trees")
+    body = {"summary": result["summary"], "per_task": result["per_task"]}
+    (out_dir / "eval.json").write_text(json.dumps(body, indent=1))
+    if result["predictions"]:
+        with open(out_dir / "predictions.jsonl", "w") as f:
+            for p in result["predictions"]:
+                f.write(json.dumps(p) + "\n")
