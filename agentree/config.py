@@ -156,8 +156,7 @@ class TrainConfig(_Section):
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
     trajectory, or auto: whichever `agentree.algorithms.packing.layout_cost` estimates cheaper per
     batch."""
-    save_every: int = Field(50,
-    ge=0)
+    save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Most recent checkpoints kept on disk."""
@@ -185,6 +184,12 @@ class TrainConfig(_Section):
 
     async_steps: int = Field(0, ge=0, le=1)
     """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs)."""
+
+    def advantage_kwargs(self) -> dict[str, Any]:
+        """The options `compute_advantages` takes for `advantage`: `advantage_options`, plus
+        GRPO's std scaling (`adv_scale`). The update and the viewer both read them here."""
+        scale = {"scale": self.adv_scale} if self.advantage == "grpo" else {}
+        return {**scale, **self.advantage_options}
 
     @model_validator(mode="after")
     def _check_advantage_options(self) -> TrainConfig:

@@ -22,12 +22,25 @@ from agentree.hub.pretrained import local_policy
 from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import WARM_ENVS, warm_policy_for_env
 
+BUILT_POLICIES = ("tiny", "tiny-warm", "warm")
+"""`policy.path` names agentree builds itself (cached); any other value is a checkpoint."""
+
+
+def base_policy(cfg: ExperimentConfig) -> str:
+    """The policy `policy.path` starts from, which fixes its architecture: `tiny` for `tiny` and
+    `tiny-warm`, `policy.warm.base` for `warm`, the path itself otherwise. Train, eval, serve and
+    the dry-run plan read policy names through this and `resolve_policy` only."""
+    path = cfg.policy.path
+    if path in ("tiny", "tiny-warm"):
+        return "tiny"
+    return cfg.policy.warm.base if path == "warm" else path
+
 
 def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     """A loadable directory for `policy.path`: `tiny` and `warm`/`tiny-warm` are built (once,
     cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
     path = cfg.policy.path
-    if path not in ("tiny", "tiny-warm", "warm"):
+    if path not in BUILT_POLICIES:
         return local_policy(path, log)
     env_name, env_kwargs = cfg.component("env")
     warm = cfg.policy.warm

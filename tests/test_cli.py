@@ -117,3 +117,17 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_dry_run_plans_the_default_policy_and_a_named_checkpoint(tmp_path, monkeypatch, capsys):
+    """`--dry-run` reads every policy name the way training does (`agentree.policy`): the
+    default `tiny-warm` is the tiny policy's architecture, `smollm2-135m` its checkpoint's,
+    from the built-in table while it is not fetched yet; nothing is built or downloaded."""
+    monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path / "empty-cache"))
+    assert main(["train", "--dry-run"]) == 0
+    assert "architecture: policy.tiny settings" in capsys.readouterr().out
+    assert main(["train", "--dry-run", "--policy", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "built-in architecture table for HuggingFaceTB/SmolLM2-135M-Instruct" in out
+    assert "parameters: 134.52M (full)" in out
+    assert not (tmp_path / "empty-cache").exists()

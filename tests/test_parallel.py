@@ -394,8 +394,8 @@ def test_bf16_without_fsdp_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     ("config", "expect"),
     [
-        ("configs/frozenlake_patr_qwen2.5_0.5b.yaml", "Qwen/Qwen2.5-0.5B-Instruct"),
-        ("configs/swebench_patr_qwen3_8b.yaml", "Qwen/Qwen3-8B"),
+        ("agentree/configs/frozenlake_patr_qwen2.5_0.5b.yaml", "Qwen/Qwen2.5-0.5B-Instruct"),
+        ("agentree/configs/swebench_patr_qwen3_8b.yaml", "Qwen/Qwen3-8B"),
     ],
 )
 def test_gpu_recipes_dry_run_without_weights(config, expect, capsys):
@@ -428,7 +428,7 @@ def test_dry_run_counts_a_bf16_frozen_base_under_lora():
     from agentree.run.plan import estimate
 
     root = Path(__file__).parent.parent
-    recipe = str(root / "configs/swebench_patr_qwen3_8b.yaml")
+    recipe = str(root / "agentree/configs/swebench_patr_qwen3_8b.yaml")
     e = estimate(load_config(recipe, overrides=["train.lora.r=16", "train.world_size=4"]))
     n = e["params"]
     assert e["per_rank"]["weights"] == (2 * n["total"] + 4 * n["lora"]) / 4

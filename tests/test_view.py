@@ -102,6 +102,47 @@ def test_leaf_advantages_are_patr_eq9_by_hand(run_dir: Path):
     assert data["steps"][0]["metrics"]["train/success_rate"] == 0.25
 
 
+@pytest.mark.parametrize(
+    ("train", "estimator", "options"),
+    [
+        ({"advantage": "grpo", "adv_scale": "none", "advantage_options": {"eps": 0.5}},
+         "grpo", {"scale": "none", "eps": 0.5}),
+        ({"advantage": "treepo", "advantage_options": {"norm": "tree-std", "eps": 0.5}},
+         "treepo", {"norm": "tree-std", "eps": 0.5}),
+        ({"advantage": "gigpo", "advantage_options": {
+            "step_gamma": 0.5, "norm": "std", "state_key": "observation", "step_weight": 2.0}},
+         "gigpo", {"step_gamma": 0.5, "norm": "std", "state_key": "observation",
+                   "step_weight": 2.0}),
+        ({"advantage": "rtmc", "advantage_options": {
+            "gamma": 0.5, "prior": 0.3, "state_key": "observation"}},
+         "rtmc", {"gamma": 0.5, "prior": 0.3, "state_key": "observation"}),
+        ({"advantage": "treegrpo", "advantage_options": {"eps": 0.5}}, "treegrpo", {"eps": 0.5}),
+    ],
+)  # fmt: skip
+def test_viewer_shows_the_advantages_trained_with_the_runs_options(
+    tmp_path: Path, train: dict, estimator: str, options: dict
+):
+    """The page's advantages are the ones the update trained on: the estimator with the run's
+    `train.advantage_options` (and `adv_scale`), not its defaults."""
+    import yaml
+
+    from agentree.algorithms.advantages import compute_advantages
+
+    run = tmp_path / "run"
+    tree = patr_tree()
+    save_trees([tree], run / "trees", prefix="step000001_")
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": train}))
+    group = rollout_group(tree)
+    per_token = compute_advantages(estimator, [tree], [group], **options)[0]
+    defaults = compute_advantages(estimator, [tree], [group])[0]
+    assert per_token != defaults  # the options matter for this tree
+    nodes = view_data(run)["steps"][0]["trees"][0]["nodes"]
+    shown = {n["id"]: n["advantage"] for n in nodes if n["end_reason"]}
+    for traj, adv in zip(group, per_token, strict=True):
+        policy = [a for a, m in zip(adv, traj.loss_mask, strict=True) if m]
+        assert shown[traj.leaf] == pytest.approx(sum(policy) / len(policy))
+
+
 def test_best_n_group_leaves_pruned_out():
     t = patr_tree(group="best-n")
     assert sorted(tr.leaf for tr in rollout_group(t)) == [4, 5]

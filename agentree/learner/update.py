@@ -75,9 +75,7 @@ class PolicyUpdate:
     ) -> list[Batch] | list[PackedBatch]:
         """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
-        kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
-        kw.update(tc.advantage_options)
-        advs = compute_advantages(tc.advantage, trees, groups, **kw)
+        advs = compute_advantages(tc.advantage, trees, groups, **tc.advantage_kwargs())
         kappa = attention_break_even(self.model)
         return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
 

@@ -2,9 +2,11 @@
 per-rank memory estimate computed from the model's architecture without loading weights.
 
 The parameter count comes from instantiating the architecture on the meta device (no memory,
-no weights). The architecture is the policy's `config.json` when the path is a local
-checkpoint, the tiny policy's settings for `tiny`, or a built-in table of the models the
-shipped recipes use when the path is a hub id (nothing is downloaded).
+no weights). The architecture is that of the policy `policy.path` starts from
+(`agentree.policy.base_policy`: `tiny-warm` is the tiny policy fine-tuned, so its settings):
+the tiny policy's settings, a local checkpoint's `config.json` (a named checkpoint such as
+`smollm2-135m` once fetched), or a built-in table of the models the shipped recipes use when
+the path is a hub id or a named checkpoint not fetched yet (nothing is downloaded or built).
 
 Per rank, with P parameters, T trainable ones (T = P, or the LoRA A/B matrices), W ranks:
   weights      4P/W bytes under FSDP (fp32 master shards), 4P unsharded; with LoRA and bf16
@@ -23,8 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from agentree.config import ExperimentConfig
+from agentree.hub.pretrained import cached_path, find_pretrained
+from agentree.policy import base_policy
 
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+        "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+    },
     "Qwen/Qwen2.5-0.5B-Instruct": {
         "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
         "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
@@ -52,7 +61,7 @@ def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
     # deferred: transformers takes seconds to import; the CLI imports this module at start
     from transformers import AutoConfig, Qwen2Config
 
-    path = cfg.policy.path
+    path = base_policy(cfg)
     if path == "tiny":
         t = cfg.policy.tiny
         conf = Qwen2Config(
@@ -64,6 +73,12 @@ def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
         return conf, "policy.tiny settings (vocab_size is an upper bound)"
     if (Path(path) / "config.json").exists():
         return AutoConfig.from_pretrained(path), f"{path}/config.json"
+    spec = find_pretrained(path)
+    if spec is not None:
+        found = cached_path(spec)
+        if found is not None:
+            return AutoConfig.from_pretrained(found), f"{found}/config.json"
+        path = spec.hub_id
     if path in KNOWN_ARCHITECTURES:
         d = dict(KNOWN_ARCHITECTURES[path])
         return AutoConfig.for_model(d.pop("model_type"), **d), (

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from agentree.algorithms.advantages import compute_advantages
+from agentree.config import TrainConfig
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
 _STEP_FILE = re.compile(r"^step(\d+)_")
@@ -62,14 +64,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _estimator(run_dir: Path) -> tuple[str, dict[str, Any]]:
-    """The advantage estimator and its options, from the run's config.yaml (GRPO by default)."""
+    """The advantage estimator and its options as the run trained with them
+    (`TrainConfig.advantage_kwargs`), from its config.yaml; GRPO's defaults without one."""
     try:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         cfg = {}
-    train = cfg.get("train") or {}
-    name = train.get("advantage", "grpo")
-    return name, ({"scale": train.get("adv_scale", "std")} if name == "grpo" else {})
+    try:
+        train = TrainConfig.model_validate(cfg.get("train") or {})
+    except ValidationError:
+        train = TrainConfig()
+    return train.advantage, train.advantage_kwargs()
 
 
 def _step_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
