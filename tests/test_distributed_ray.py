@@ -565,7 +565,7 @@ def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
     """rho = exp(log pi_theta - log pi_sample): with stored sampling log-probs of 0, the mean
     ratio is the mean of pi_theta over the policy tokens; on-policy it is exactly 1."""
     from agentree.algorithms.batching import padded_micro_batches, token_logprobs
-    from agentree.engines.hf import load_policy
+    from agentree.hub.load import load_policy
 
     model, _tok = load_policy(tiny_frozenlake, dtype="float32", device="cpu")
     tree = Tree("t")

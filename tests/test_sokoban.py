@@ -145,7 +145,7 @@ def test_warm_start_reads_the_room_and_samples_less_than_it_knows():
     often, the gap RL closes. Built from whole episodes in its first phase it stayed at
     chance on both."""
     from agentree.chat import ChatFormat
-    from agentree.engines.hf import load_policy
+    from agentree.hub.load import load_policy
     from agentree.models.warm import first_move_skill
     from agentree.policy import resolve_policy
 

@@ -237,7 +237,7 @@ def run_sft(
     # CLI imports this module at start
     import torch
 
-    from agentree.engines.hf import load_policy
+    from agentree.hub.load import load_policy
 
     cfg = cfg or SFTConfig()
     t0 = time.perf_counter()

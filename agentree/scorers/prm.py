@@ -267,7 +267,7 @@ def load_prm(path: str, *, dtype: str = "auto", device: str = "auto") -> tuple[A
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from agentree.engines.hf import resolve_device_dtype
+    from agentree.hub.load import resolve_device_dtype
 
     local = resolve_prm_path(path)
     device, torch_dtype = resolve_device_dtype(device, dtype)

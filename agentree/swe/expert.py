@@ -811,7 +811,7 @@ def _answers(
     # CLI imports this module at start
     import torch
 
-    from agentree.engines.hf import load_policy
+    from agentree.hub.load import load_policy
 
     model, tokenizer = load_policy(policy)
     chat = ChatFormat(tokenizer)
