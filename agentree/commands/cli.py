@@ -24,7 +24,6 @@ from agentree.commands.swe import add_swe_commands
 from agentree.config import available_configs, load_config
 from agentree.distributed.ranks import launch_on_ray
 from agentree.envs.base import env_class
-from agentree.hub.store import interrupt_on_sigterm
 from agentree.learner.launch import spawn_ranks
 from agentree.models.sft import SFTConfig, load_examples, run_sft
 from agentree.models.warm import walker_baseline
@@ -35,6 +34,7 @@ from agentree.run.evaluation import run_eval
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
 from agentree.run.runtime import Runtime
+from agentree.signals import interrupt_on_sigterm
 from agentree.tree import save_trees
 from agentree.viewer.pages import add_view_command
 

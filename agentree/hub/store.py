@@ -20,12 +20,12 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from agentree.signals import interrupt_on_sigterm
 
 Log = Callable[[str], None]
 
@@ -124,25 +124,6 @@ def _build_lock(target: Path, name: str, say: Log) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while a build or a fine-tune runs (main thread
-    only), so `kill` cleans up (a build's partial directory) or keeps (a fine-tune's resumable
-    state) what Ctrl-C does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def cached_builds(root: Path | None = None) -> list[dict[str, object]]:

@@ -1,9 +1,5 @@
-"""Stopping and resuming a training run safely.
+"""Resuming a training run (stopping it safely is `agentree.signals.StopSignals`).
 
-- `StopSignals`: SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send before killing a
-  job) both raise `KeyboardInterrupt`, so the caller checkpoints either way. While a step's
-  update is running the signal is held until the step is complete: a checkpoint then never
-  holds weights that are half-way through an update.
 - `resume_config`: `--resume` continues the run exactly as saved in its `config.yaml`; a flag
   that would change it is an error, except `--steps`, which is logged.
 - `trim_metrics`: drops the `metrics.jsonl` rows written after the checkpoint a run resumes
@@ -14,54 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agentree.config import load_config, validate_config
-
-
-class StopSignals:
-    """Turns SIGINT/SIGTERM into `KeyboardInterrupt`, held between `hold()` and `release()`."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.held = False
-        self.pending: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        """Take over SIGINT/SIGTERM until `uninstall()`; only the main thread can."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.held:
-            self.pending = signum
-            return
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    def hold(self) -> None:
-        """From here on a stop request waits for `release()`."""
-        self.held = True
-
-    def release(self) -> None:
-        """Act on a stop request that arrived while held."""
-        self.held = False
-        if self.pending is not None:
-            signum, self.pending = self.pending, None
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-
 
 RESUME_OVERRIDES = ("train.world_size", "train.fsdp", "train.micro_batch_size")
 """Keys `--resume --set` may change: they reshape the work, not the run (every learner writes

@@ -53,9 +53,10 @@ from agentree.rollout.base import RolloutStats, action_format
 from agentree.rollouts import PendingRollout
 from agentree.run.checkpoint import begin_checkpoint, finish_checkpoint, latest_checkpoint
 from agentree.run.evaluation import evaluate
-from agentree.run.resume import StopSignals, trim_metrics
+from agentree.run.resume import trim_metrics
 from agentree.run.runtime import Runtime
 from agentree.run.tracking import Tracker
+from agentree.signals import StopSignals
 from agentree.tree import EndReason, Trajectory, Tree, save_trees
 
 __all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]

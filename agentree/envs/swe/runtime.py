@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentree.signals import exit_on_sigterm
+
 LABEL = "agentree"
 KIND = "agentree.kind"
 SESSION = "agentree.session"
@@ -113,23 +115,12 @@ def _install_exit_hooks() -> None:
 
 
 def install_signal_handlers() -> None:
-    """Make SIGTERM end the process through atexit, so its Docker resources are removed.
-
-    SIGINT already unwinds as KeyboardInterrupt, which runs atexit; SIGTERM's default action
-    kills the process without it. Only from the main thread, and only if nobody else handles
-    SIGTERM; called again later when the first Docker use happened in another thread.
-    """
+    """Make SIGTERM end the process through atexit, so its Docker resources are removed
+    (`agentree.signals.exit_on_sigterm`); called again later when the first Docker use happened
+    in another thread."""
     global _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _on_sigterm)
-        _sigterm_installed = True
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    if not _sigterm_installed:
+        _sigterm_installed = exit_on_sigterm()
 
 
 def _at_exit() -> None:

@@ -1,0 +1,101 @@
+"""How agentree turns stop signals into exceptions, so that a stop unwinds through `finally`
+blocks and atexit (checkpoints kept, partial builds and containers removed) instead of killing
+the process where it stands. Signal handlers can only be installed from the main thread; from
+any other thread each of these does nothing.
+
+- `StopSignals`: a training run's. SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send
+  before killing a job) both raise `KeyboardInterrupt`, so the trainer checkpoints either way.
+  While a step's update is running the signal is held until the step is complete: a checkpoint
+  then never holds weights that are half-way through an update.
+- `interrupt_on_sigterm`: SIGTERM raises `KeyboardInterrupt` while a build or a fine-tune runs,
+  so `kill` cleans up or keeps what Ctrl-C does.
+- `exit_on_sigterm`: SIGTERM raises `SystemExit` (so atexit runs) where nobody else handles it;
+  what the Docker sandboxes install so that their containers are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into `KeyboardInterrupt`, held between `hold()` and `release()`."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Take over SIGINT/SIGTERM until `uninstall()`; only the main thread can."""
+        if not _main_thread():
+            return
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.held:
+            self.pending = signum
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def hold(self) -> None:
+        """From here on a stop request waits for `release()`."""
+        self.held = True
+
+    def release(self) -> None:
+        """Act on a stop request that arrived while held."""
+        self.held = False
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while a build or a fine-tune runs (main thread
+    only), so `kill` cleans up (a build's partial directory) or keeps (a fine-tune's resumable
+    state) what Ctrl-C does."""
+    if not _main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def exit_on_sigterm() -> bool:
+    """Make SIGTERM raise `SystemExit` (exit status 128 + 15, atexit handlers run) unless a
+    handler is already installed; whether SIGTERM is handled now (False off the main thread)."""
+    if not _main_thread():
+        return False
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _exit)
+        return True
+    return False
+
+
+def _exit(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
