@@ -9,6 +9,12 @@ reached; if every branch ends below G, fresh global samples top the group up.
 
 The paper normalises the entropy change without fixing the scale; we use the relative change,
 which makes tau readable ("branch when entropy rose by more than 20%").
+
+With `env_step_budget: N` (exact env steps per task) the trajectory budget G gives way to the
+step budget: a branch forks while its tree has more steps left than live branches (Z at most),
+and when all of a task's branches have ended with steps left, N fresh global samples start (at
+most one per step left), until N steps are spent. The branches live when it runs out end with
+`budget` and stay out of the group.
 """
 
 from __future__ import annotations
@@ -20,14 +26,14 @@ from pydantic import Field
 
 from agentree.engines.base import Completion
 from agentree.envs.base import Task
-from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
+from agentree.rollout.base import Controller, RolloutContext, RolloutStats, TurnConfig
 from agentree.rollout.turn.turns import Branch, TurnRunner
 from agentree.tree import Tree
 
 
-class ARPOConfig(ControllerConfig):
+class ARPOConfig(TurnConfig):
     G: int = Field(8, ge=1)
-    """Total trajectory budget per task."""
+    """Total trajectory budget per task (unused with an env-step budget)."""
     N: int = Field(4, ge=1)
     """Initial global trajectories."""
     Z: int = Field(2, ge=1)
@@ -48,8 +54,8 @@ class ARPO(Controller):
     requires_fork = True
     config: ARPOConfig
 
-    def group_size(self) -> int:
-        return self.config.G
+    def group_size(self) -> int | None:
+        return None if self.config.env_step_budget else self.config.G
 
     def rollout(
         self, tasks: Sequence[Task], ctx: RolloutContext
@@ -58,12 +64,19 @@ class ARPO(Controller):
         stats = RolloutStats()
         t0 = time.perf_counter()
         h_init: dict[int, float] = {}  # id(branch) -> initial entropy of its trajectory
-        with TurnRunner(ctx, stats) as runner:
-            groups = runner.start(tasks, min(cfg.N, cfg.G), fork=True)
+        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+            budget = runner.budget
+            first = min(cfg.N, cfg.G) if budget is None else min(cfg.N, budget)
+            groups = runner.start(tasks, first, fork=True)
             trees = [g[0].tree for g in groups]
             count = {id(t): len(g) for t, g in zip(trees, groups, strict=True)}
             live = [b for g in groups for b in g]
             while live:
+                if budget is not None:  # room is counted in steps: one per live branch
+                    count = {id(t): budget - runner.left(t) for t in trees}
+                    for b in live:
+                        count[id(b.tree)] += 1
+                steps = stats.env_steps
                 comps = runner.generate(live, entropy=True)
                 extra: list[Branch] = []
                 for b, c in zip(live, comps, strict=True):
@@ -73,7 +86,7 @@ class ARPO(Controller):
                         continue
                     base = h_init.get(id(b), h)
                     dh = (h - base) / base if base > 0 else 0.0
-                    room = cfg.G - count[id(b.tree)]
+                    room = (cfg.G if budget is None else budget) - count[id(b.tree)]
                     if cfg.alpha + cfg.beta * dh > cfg.tau and room > 0:
                         z = min(cfg.Z, room)
                         count[id(b.tree)] += z
@@ -87,10 +100,23 @@ class ARPO(Controller):
                 if extra:
                     comps += runner.generate(extra, entropy=True)
                 live, _ = runner.advance(live + extra, comps)
-                if not live:
+                if budget is not None:
+                    if stats.env_steps > steps:
+                        live += self._restart(runner, trees, tasks, live)
+                elif not live:
                     live = self._top_up(runner, trees, tasks, count, h_init)
                 ctx.report(f"{self.name}: {len(live)} active branches")
         return self.finish(trees, stats, t0)
+
+    def _restart(self, runner, trees, tasks, live) -> list[Branch]:
+        """Fresh global samples for the trees with no live branch and steps left."""
+        busy = {id(b.tree) for b in live}
+        out: list[Branch] = []
+        for tree, task in zip(trees, tasks, strict=True):
+            n = min(self.config.N, runner.left(tree))
+            if id(tree) not in busy and n > 0:
+                out += runner.add_root_branches(tree, task, n)
+        return out
 
     def _top_up(self, runner, trees, tasks, count, h_init) -> list[Branch]:
         """Fresh global samples for trees that ended below the budget."""
