@@ -50,7 +50,8 @@ class TreeGRPOConfig(TurnConfig):
     """Expansion iterations (with an env-step budget: until it is spent)."""
     expand_root: bool = True
     """The tree's root is a candidate, as in the authors' code (false: non-leaf nodes below
-    it only, and a tree is the trajectories sharing a first turn)."""
+    it only, and a tree is the trajectories sharing a first turn; with an env-step budget a tree
+    with no other candidate still expands its root)."""
     replace: bool = True
     """Draw the N nodes with replacement, as in the authors' code (false: without)."""
 
@@ -108,8 +109,8 @@ class TreeGRPO(Controller):
             firsts.setdefault(tree.nodes[f].info["tree_index"], []).append(f)
         for k, fs in sorted(firsts.items()):
             pool = [n for f in fs for n in self._inner(tree, f) if n in states]
-            if cfg.expand_root:
-                pool = [0, *pool]
+            if cfg.expand_root or (not pool and runner.budget is not None):
+                pool = [0, *pool]  # without the root, a budget could be left unspendable
             if cfg.replace:
                 drawn = ctx.rng.choices(pool, k=cfg.N) if pool else []
             else:
