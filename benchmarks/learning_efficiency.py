@@ -17,8 +17,9 @@ resumed benchmark sizes its groups the same; `--budget` and `--turns` set them b
 sizes only set how many trajectories each method runs at a time: every method also gets
 `rollout.env_step_budget=B`, so each rollout spends exactly B env steps per task (at most one
 episode fewer) however long episodes get as the policy learns. The summary still reports the
-env steps each method drew per step, and budgets are compared on the x axis: `env_steps_to_grpo_final` is the cumulative env steps at
-which a method's seed-mean held-out curve first reaches flat GRPO's final value.
+env steps each method drew per step, and budgets are compared on the x axis:
+`env_steps_to_grpo_final` is the cumulative env steps at which a method's seed-mean held-out
+curve first reaches flat GRPO's final value.
 
 Countdown (`--case countdown`): the token-level samplers `latr`, `treepo`, `eptree` against flat
 `grpo`: held-out accuracy and pass@k against cumulative forward tokens (sampled plus prefilled).

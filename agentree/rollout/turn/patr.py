@@ -152,7 +152,8 @@ class TreeRandomConfig(PATRConfig):
 
 
 class TreeRandom(PATR):
-    """The paper's Tree-Random baseline: PATR's tree with uniformly random expansion choices."""
+    """The paper's Tree-Random baseline: PATR's tree with uniformly random expansion choices
+    (and PATR's rule for an env-step budget: further rounds below the root, `budget` cuts)."""
 
     name = "tree-random"
     Config = TreeRandomConfig
