@@ -272,6 +272,12 @@ def why_empty(cfg: ExperimentConfig, model_len: int, trees: Sequence[Tree]) -> s
         )
     ended = [node for t in trees for node in t.nodes if node.end_reason is not None]
     reasons = Counter(str(node.end_reason) for node in ended)
+    if reasons and set(reasons) == {"budget"}:
+        budget = cfg.rollout.get("env_step_budget")
+        return (
+            f"the env-step budget (rollout.env_step_budget={budget}) ran out before any "
+            "trajectory finished; raise it to a few episodes' worth of steps"
+        )
     errors = [node.info["error"] for node in ended if "error" in node.info]
     detail = f"; first error: {errors[0]}" if errors else ""
     return (

@@ -35,6 +35,7 @@ class EndReason(StrEnum):
     PRUNED_REPETITION = "pruned_repetition"  # TreePO early stop on repeated substrings
     ENV_ERROR = "env_error"  # env.step or env.restore raised
     TIMEOUT = "timeout"  # an env action or the branch ran past its time budget
+    BUDGET = "budget"  # the task's env-step budget ran out (rollout.env_step_budget)
 
 
 PRUNED = frozenset(
@@ -246,8 +247,13 @@ class Tree:
         )
 
     def trajectories(self, *, include_pruned: bool = True) -> list[Trajectory]:
-        """The rollout group: every finished leaf (PATR's "keep all"), or only unpruned ones."""
-        trajs = [self.trajectory(n.id) for n in self.finished_leaves()]
+        """The rollout group: every finished leaf (PATR's "keep all"), or only unpruned ones.
+
+        Leaves cut by the env-step budget (`EndReason.BUDGET`) are never in it: their outcome
+        is unknown, and a reward of 0 for them would punish whichever branches happened to be
+        live when the budget ran out. Their steps still count as spent."""
+        leaves = [n for n in self.finished_leaves() if n.end_reason != EndReason.BUDGET]
+        trajs = [self.trajectory(n.id) for n in leaves]
         return trajs if include_pruned else [t for t in trajs if not t.pruned]
 
     # -- (de)serialisation ----------------------------------------------------------------

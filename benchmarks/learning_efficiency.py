@@ -13,11 +13,13 @@ flat methods G = B / E; Tree-GRPO M chains plus M N half-length expansions, M = 
 L / 2)); TSR's beam W beams x N candidates per turn, W = B / (N E)). Both are measured from
 the warm start before the first run (`calibrate`: one `agentree rollout` of PATR's tree and
 one of flat episodes on `--calibrate` training tasks), kept in `DIR/<case>/sizing.json` so a
-resumed benchmark sizes its groups the same; `--budget` and `--turns` set them by hand. A
-sizing from the start cannot hit B exactly all along (episodes get shorter or longer as the
-policy learns), so the summary reports the env steps each method actually drew per step, and
-budgets are compared on the x axis: `env_steps_to_grpo_final` is the cumulative env steps at
-which a method's seed-mean held-out curve first reaches flat GRPO's final value.
+resumed benchmark sizes its groups the same; `--budget` and `--turns` set them by hand. The
+sizes only set how many trajectories each method runs at a time: every method also gets
+`rollout.env_step_budget=B`, so each rollout spends exactly B env steps per task (at most one
+episode fewer) however long episodes get as the policy learns. The summary still reports the
+env steps each method drew per step, and budgets are compared on the x axis:
+`env_steps_to_grpo_final` is the cumulative env steps at which a method's seed-mean held-out
+curve first reaches flat GRPO's final value.
 
 Countdown (`--case countdown`): the token-level samplers `latr`, `treepo`, `eptree` against flat
 `grpo`: held-out accuracy and pass@k against cumulative forward tokens (sampled plus prefilled).
@@ -73,7 +75,7 @@ def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
     m = max(1, round(budget / (turns * (1 + n * steps / 2))))
     width = max(1, round(budget / (2 * turns)))  # TSR beam: 2 candidates per beam and turn
     flat = ["--rollout", "grpo", "--set", f"rollout.G={g}"]
-    return {
+    methods = {
         "patr": [],
         "tree-random": ["--rollout", "tree-random"],
         "grpo": flat,
@@ -103,6 +105,8 @@ def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
         ],
         "patr+gigpo": ["--set", "train.advantage=gigpo"],
     }
+    exact = ["--set", f"rollout.env_step_budget={max(1, round(budget))}"]
+    return {name: [*args, *exact] for name, args in methods.items()}
 
 
 # `budget_per_task` and `turns` are the fallbacks of `calibrate --calibrate 0`. FrozenLake's were

@@ -47,6 +47,8 @@ def test_methods_are_sized_to_the_env_step_budget(bench):
     )
     # TSR beam: width x 2 candidates x 5.4 turns ~ 32 -> width 3
     assert {"rollout=tsr", "rollout.mode=beam", "rollout.width=3"} <= set(settings(m["tsr"]))
+    # and every method spends exactly B = 32 env steps per task
+    assert all("rollout.env_step_budget=32" in settings(args) for args in m.values())
     # every method's settings form a valid config of both cases
     for case in ("frozenlake", "sokoban"):
         for args in m.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -33,9 +34,9 @@ def last_action(values):
 
 
 @pytest.mark.parametrize("L", [1, 2])
-def test_tree_grpo_grows_m_trees_by_n_random_expansions_l_times(tokenizer, L):
+def test_tree_grpo_without_root_or_replacement_expands_distinct_inner_nodes(tokenizer, L):
     ctx = context(tokenizer, always("Right"), max_turns=4)  # no goal on the top row: 4 turns
-    ctrl = make_controller("tree-grpo", M=2, N=2, L=L)
+    ctrl = make_controller("tree-grpo", M=2, N=2, L=L, expand_root=False, replace=False)
     (tree,), stats = ctrl.rollout([task()], ctx)
     trajs = ctrl.group(tree)
     assert len(trajs) == stats.trajectories == 2 * (1 + L * 2) == ctrl.group_size()
@@ -60,6 +61,56 @@ def test_tree_grpo_grows_m_trees_by_n_random_expansions_l_times(tokenizer, L):
     # every node records the env's state key (the grid), for the step-level estimators
     assert all("state_key" in n.info for n in tree.nodes)
     compute_advantages("treegrpo", [tree], [trajs])
+
+
+class ScriptedDraws(random.Random):
+    """Randomness whose `choices` takes a fixed position of the population (recorded)."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(0)
+        self.position = position
+        self.populations: list[list[int]] = []
+
+    def choices(self, population, weights=None, *, cum_weights=None, k=1):
+        self.populations.append(list(population))
+        return [population[self.position]] * k
+
+
+def test_tree_grpo_candidates_include_the_root_as_in_the_authors_code(tokenizer):
+    # get_expand_node: candidate_set = [root] + non-leaf nodes of its subtree. Drawing the root
+    # each time, every expansion is a new chain from the prompt inside the same tree.
+    ctx = context(tokenizer, always("Right"), max_turns=4)
+    ctx.rng = ScriptedDraws(0)
+    ctrl = make_controller("tree-grpo", M=2, N=2, L=1)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    # each tree's candidates: the root, then its chain's nodes at turns 1-3 (turn 4 is a leaf)
+    for pop in ctx.rng.populations:
+        assert pop[0] == 0 and [tree.nodes[n].turn for n in pop[1:]] == [1, 2, 3]
+    assert len({tuple(p) for p in ctx.rng.populations}) == 2  # one draw per tree
+    # 2 trees x (1 chain + 2 root expansions), every chain 4 steps from a fresh reset
+    trajs = ctrl.group(tree)
+    assert len(trajs) == 6 and len(tree.root.children) == 6
+    assert stats.env_steps == 6 * 4 and CountingEnv.counts["reset"] == 6
+    assert tree.root.info["expanded"] == 4
+    index = Counter(tree.nodes[t.nodes[1]].info["tree_index"] for t in trajs)
+    assert index == {0: 3, 1: 3}  # 1 + L N leaves per tree, several first turns each
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_tree_grpo_draws_with_replacement_so_trees_end_with_1_plus_l_n_leaves(tokenizer, L):
+    # random.choices(candidate_set, k=n): the last candidate (the turn-3 node) drawn twice
+    ctx = context(tokenizer, always("Right"), max_turns=4)
+    ctx.rng = ScriptedDraws(-1)
+    ctrl = make_controller("tree-grpo", M=2, N=2, L=L)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    deep = [n for n in tree.nodes if n.info.get("expanded")]
+    assert [n.turn for n in deep] == [3, 3] and all(n.info["expanded"] == 2 * L for n in deep)
+    trajs = ctrl.group(tree)
+    index = Counter(tree.nodes[t.nodes[1]].info["tree_index"] for t in trajs)
+    assert index == {0: 1 + L * 2, 1: 1 + L * 2} and len(trajs) == ctrl.group_size()
+    # two chains of 4 steps, then one step per expansion of a turn-3 node
+    assert stats.env_steps == 2 * 4 + 2 * 2 * L == CountingEnv.counts["step"]
+    assert stats.forks == 2 * 2 * L == CountingEnv.counts["restore"]
 
 
 def test_tsr_best_of_n_keeps_the_best_scored_candidate_each_turn(tokenizer):

@@ -18,6 +18,7 @@ from agentree.algorithms.advantages import (
     check_advantage_options,
     compute_advantages,
     gigpo_advantages,
+    group_normalized,
     rtmc_advantages,
     treegrpo_advantages,
 )
@@ -326,6 +327,50 @@ def test_treegrpo_sums_intra_and_inter_tree_group_advantages():
     sa, sb = math.sqrt(0.5) + 1e-6, math.sqrt(1 / 3) + 1e-6
     intra = [0.5 / sa, -0.5 / sa, (1 / 3) / sb, (1 / 3) / sb, (-2 / 3) / sb]
     assert adv == pytest.approx([a + b for a, b in zip(inter, intra, strict=True)])
+
+
+def test_treegrpo_single_trajectory_groups_get_r_over_one_plus_eps():
+    # compute_grpo_outcome_advantage (AMAP-ML/Tree-GRPO): a group of one has mean 0, std 1.
+    # Tree 0 holds one trajectory (R = 1); tree 1 three (R = 1, 0, 0), two of them starting
+    # with a root expansion: a tree is its `tree_index`, not its first turn.
+    eps = 0.5
+    tree = flat([[("a", "A", 1.0)], [("b", "B", 1.0)], [("c", "C", 0.0)], [("d", "D", 0.0)]])
+    for first, k in zip(tree.root.children, [0, 1, 1, 1], strict=True):
+        tree.nodes[first].info["tree_index"] = k
+    trajs = tree.trajectories()
+    adv = [
+        a[m.index(1)]
+        for a, m in zip(
+            treegrpo_advantages(tree, trajs, eps=eps), (t.loss_mask for t in trajs), strict=True
+        )
+    ]
+    # inter over R = 1, 1, 0, 0: mean 1/2, sample std sqrt(1/3)
+    si = math.sqrt(1 / 3) + eps
+    inter = [0.5 / si, 0.5 / si, -0.5 / si, -0.5 / si]
+    # intra: tree 0 alone: 1 / (1 + eps); tree 1 over 1, 0, 0: mean 1/3, std sqrt(1/3)
+    s1 = math.sqrt(1 / 3) + eps
+    intra = [1 / (1 + eps), (2 / 3) / s1, (-1 / 3) / s1, (-1 / 3) / s1]
+    assert adv == pytest.approx([a + b for a, b in zip(inter, intra, strict=True)])
+    # a lone trajectory: inter and intra are both r / (1 + eps)
+    one = flat([[("a", "A", 1.0)]])
+    assert per_turn(one, treegrpo_advantages(one, one.trajectories(), eps=eps)) == [
+        [pytest.approx(2 / (1 + eps))]
+    ]
+
+
+def test_grpo_keeps_zero_for_a_group_of_one():
+    assert group_normalized([1.0]) == [0.0]
+    assert group_normalized([1.0], eps=0.5, singleton="unit") == [1 / 1.5]
+    assert group_normalized([1.0], scale="none", singleton="unit") == [1.0]
+
+
+def test_gigpo_std_norm_divides_a_single_member_episode_group_by_one_plus_eps():
+    # verl-agent gigpo/core_gigpo.py, episode level: a group of one row has mean 0, std 1, so
+    # A^E = R / (1 + eps) under mean_std_norm and R under mean_norm; its lone step group: 0.
+    one = flat([[("right", "G", 1.0)]])
+    std = per_turn(one, gigpo_advantages(one, one.trajectories(), norm="std", eps=0.5))
+    mean = per_turn(one, gigpo_advantages(one, one.trajectories(), norm="mean", eps=0.5))
+    assert std == [[1 / 1.5]] and mean == [[1.0]]
 
 
 def test_new_estimator_options_are_checked():

@@ -67,17 +67,27 @@ def _check_group(tree: Tree, trajectories: Sequence[Trajectory]) -> None:
 
 # -- GRPO / PATR ----------------------------------------------------------------------------
 def group_normalized(
-    rewards: Sequence[float], *, eps: float = 1e-6, scale: Literal["std", "none"] = "std"
+    rewards: Sequence[float],
+    *,
+    eps: float = 1e-6,
+    scale: Literal["std", "none"] = "std",
+    singleton: Literal["zero", "unit"] = "zero",
 ) -> list[float]:
     """GRPO outcome advantage, PATR Eq. 1 (Eq. 9 over the tree group).
 
     A_i = (r_i - mean(r)) / (std(r) + eps). The papers do not say which std; we use the sample
     std (n - 1), as `torch.std` computes it in verl (under rLLM, which PATR used, and TreePO)
-    and in TRL. `scale="none"` is Dr. GRPO: A_i = r_i - mean(r). A group of fewer than two
-    trajectories, or with all-equal rewards, has no relative signal and gets zeros.
+    and in TRL. `scale="none"` is Dr. GRPO: A_i = r_i - mean(r). A group with all-equal rewards
+    has no relative signal and gets zeros; so does a group of one trajectory, unless
+    `singleton="unit"`: mean 0 and std 1 as Tree-GRPO's code takes them (`compute_grpo_outcome_
+    advantage` in AMAP-ML/Tree-GRPO), so A = r / (1 + eps) (r with `scale="none"`).
     """
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    if singleton not in ("zero", "unit"):
+        raise ValueError(f"singleton must be 'zero' or 'unit', got {singleton!r}")
+    if len(rewards) == 1 and singleton == "unit":
+        return [rewards[0] if scale == "none" else rewards[0] / (1.0 + eps)]
     if not rewards or max(rewards) == min(rewards):
         return [0.0] * len(rewards)  # exact zeros, not rounding noise (mean([0.1] * 3) != 0.1)
     mu = _mean(rewards)
@@ -288,9 +298,9 @@ def _normalise_groups(
 ) -> list[float]:
     """x - mean(group), optionally / (sample std + eps), over rows grouped by key.
 
-    A group of one row has mean `x` itself (single_mean=True: advantage 0) or 0 (False: the
-    value as it is), and std 1, as verl-agent's GiGPO treats singletons at step and episode
-    level respectively. All-equal groups give exact zeros.
+    A group of one row has mean `x` itself (single_mean=True: advantage 0) or 0 (False: x,
+    divided by 1 + eps under `norm: std`), and std 1, as verl-agent's GiGPO treats singletons
+    at step and episode level respectively. All-equal groups give exact zeros.
     """
     groups: dict[Any, list[int]] = defaultdict(list)
     for i, k in enumerate(keys):
@@ -298,8 +308,8 @@ def _normalise_groups(
     out = [0.0] * len(values)
     for idx in groups.values():
         xs = [values[i] for i in idx]
-        if len(xs) == 1:
-            out[idx[0]] = 0.0 if single_mean else xs[0]
+        if len(xs) == 1:  # verl-agent: mean x (or 0) and std 1
+            out[idx[0]] = 0.0 if single_mean else xs[0] / (1.0 if norm == "mean" else 1.0 + eps)
             continue
         if max(xs) == min(xs):
             continue
@@ -334,7 +344,8 @@ def gigpo_advantages(
     the episode mean/std are taken over the group's step rows (`episode_stats: steps`, each
     trajectory weighted by its number of turns); `trajectories` takes them over trajectories as
     the paper's equation is written. A step group of one row gets A^S = 0; an episode group of
-    one row gets A^E = R (mean 0, std 1), as in verl-agent. Anchor states are keyed by
+    one row gets mean 0 and std 1, as in verl-agent (`gigpo/core_gigpo.py`): A^E = R with
+    `norm: mean` and R / (1 + eps) with `norm: std`. Anchor states are keyed by
     `state_key` (see `node_state_key`), within this tree's group only.
     """
     _check_group(tree, trajectories)
@@ -427,20 +438,25 @@ def treegrpo_advantages(
     """Tree-GRPO (arXiv 2509.21240): intra-tree plus inter-tree group-relative advantages.
 
     A_i = A_intra(i) + A_inter(i), each the GRPO advantage (r - mean) / (std + eps): inter over
-    all of the task's trajectories, intra over the trajectories of i's own tree. The task's M
-    trees hang below one agentree root, so a Tree-GRPO tree is the set of trajectories sharing
-    their first turn (`--rollout tree-grpo` never expands the root); under a flat rollout every
-    intra group is a single trajectory and this is GRPO.
+    all of the task's trajectories, intra over the trajectories of i's own tree. As the
+    authors' code computes it (`adv_estimator == 'tree'` in `ray_trainer_ts.py`), a group of one
+    trajectory has mean 0 and std 1, so its advantage is r / (1 + eps), not 0. The task's M
+    trees hang below one agentree root: a trajectory's tree is the `tree_index` its first turn
+    records (`--rollout tree-grpo`), else its first turn itself; under a flat rollout every
+    intra group is a single trajectory, so A_i = A_GRPO(i) + r_i / (1 + eps).
     """
     _check_group(tree, trajectories)
     rewards = [t.reward for t in trajectories]
-    inter = group_normalized(rewards, eps=eps)
-    by_tree: dict[int, list[int]] = defaultdict(list)
+    inter = group_normalized(rewards, eps=eps, singleton="unit")
+    by_tree: dict[Any, list[int]] = defaultdict(list)
     for i, t in enumerate(trajectories):
-        by_tree[t.nodes[1] if len(t.nodes) > 1 else -1].append(i)
+        first = tree.nodes[t.nodes[1]] if len(t.nodes) > 1 else None
+        key = -1 if first is None else first.info.get("tree_index", ("turn", first.id))
+        by_tree[key].append(i)
     intra = [0.0] * len(trajectories)
     for idx in by_tree.values():
-        for i, a in zip(idx, group_normalized([rewards[i] for i in idx], eps=eps), strict=True):
+        group = group_normalized([rewards[i] for i in idx], eps=eps, singleton="unit")
+        for i, a in zip(idx, group, strict=True):
             intra[i] = a
     return [_broadcast(a + b, t) for a, b, t in zip(inter, intra, trajectories, strict=True)]
 

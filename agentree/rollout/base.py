@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentree.chat import ChatFormat
 from agentree.engines.base import Engine, SamplingParams
@@ -28,6 +28,17 @@ class ControllerConfig(BaseModel):
     """Base for a controller's settings; unknown keys are an error naming the key."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TurnConfig(ControllerConfig):
+    """Settings every turn-level controller (grpo, patr, tree-random, arpo, tree-grpo, tsr)
+    shares."""
+
+    env_step_budget: int | None = Field(None, ge=0)
+    """Exact env steps per task (`rollout.env_step_budget=N`): every controller draws until N
+    steps of the task are spent, never more, so methods compare at equal env steps. Branches
+    still live when it runs out end with reason `budget` and stay out of the group; each
+    controller's docstring says how it spends it. 0 or null: off (the controller's own sizes)."""
 
 
 @dataclass

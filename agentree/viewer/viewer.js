@@ -28,6 +28,7 @@
     pruned_repetition: "repetition",
     env_error: "env error",
     timeout: "timeout",
+    budget: "budget",
   };
 
   const state = { step: 0, selected: null, collapsed: new Set(), matches: [], matchAt: -1 };

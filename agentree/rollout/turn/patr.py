@@ -11,6 +11,12 @@ the group (Eq. 6, "keep all"); `group: best-n` drops pruned ones.
 Where the paper is silent: a branch whose score is unavailable (scorer failure) survives
 unexpanded and counts as a fallback; ties in the top-k are broken at random; `max_active`
 caps the live branches of one tree so a generous config cannot explode.
+
+With `env_step_budget: N` (exact env steps per task) the tree keeps growing until N steps are
+spent: when all of a task's branches have ended and steps are left, Algorithm 1 starts again
+below the same root (B0 new branches, the same group), and a tree never holds more live branches
+than it has steps left (fewer expansions at a checkpoint, fewer branches in a new round). The
+branches live when the budget runs out end with `budget` and stay out of the group.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from typing import Literal
 from pydantic import Field
 
 from agentree.envs.base import Task
-from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
+from agentree.rollout.base import Controller, RolloutContext, RolloutStats, TurnConfig
 from agentree.rollout.turn.turns import Branch, TurnRunner
 from agentree.tree import EndReason, Trajectory, Tree
 
 
-class PATRConfig(ControllerConfig):
+class PATRConfig(TurnConfig):
     B0: int = Field(4, ge=1)
     """Initial branches per task."""
     K: int = Field(5, ge=1)
@@ -63,11 +69,13 @@ class PATR(Controller):
         cfg = self.config
         stats = RolloutStats()
         t0 = time.perf_counter()
-        with TurnRunner(ctx, stats) as runner:
-            groups = runner.start(tasks, cfg.B0, fork=True)
+        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+            b0 = cfg.B0 if runner.budget is None else min(cfg.B0, runner.budget)
+            groups = runner.start(tasks, b0, fork=True)
             trees = [g[0].tree for g in groups]
             active = [list(g) for g in groups]
             while any(active):
+                steps = stats.env_steps
                 for _ in range(cfg.K):
                     live = [b for bs in active for b in bs]
                     if not live:
@@ -80,6 +88,11 @@ class PATR(Controller):
                 for i, task in enumerate(tasks):
                     if active[i]:
                         active[i] = self._checkpoint(runner, task, active[i], ctx, stats)
+                    elif runner.budget is not None and stats.env_steps > steps:
+                        # another round of Algorithm 1 below the same root
+                        n = min(cfg.B0, runner.left(trees[i]))
+                        if n > 0:
+                            active[i] = runner.add_root_branches(trees[i], task, n)
         return self.finish(trees, stats, t0)
 
     def _scores(self, runner: TurnRunner, task: Task, branches: list[Branch], ctx: RolloutContext):
@@ -99,7 +112,8 @@ class PATR(Controller):
         scored = [(s, ctx.rng.random(), i) for i, s in enumerate(scores) if s is not None]
         scored.sort(reverse=True)
         n_expand = min(cfg.top_k, len(scored))
-        while n_expand and len(branches) + n_expand * (cfg.M - 1) > cfg.max_active:
+        cap = min(cfg.max_active, runner.left(branches[0].tree))
+        while n_expand and len(branches) + n_expand * (cfg.M - 1) > cap:
             n_expand -= 1
         expand = {i for _, _, i in scored[:n_expand]}
         prune: set[int] = set()
@@ -138,7 +152,8 @@ class TreeRandomConfig(PATRConfig):
 
 
 class TreeRandom(PATR):
-    """The paper's Tree-Random baseline: PATR's tree with uniformly random expansion choices."""
+    """The paper's Tree-Random baseline: PATR's tree with uniformly random expansion choices
+    (and PATR's rule for an env-step budget: further rounds below the root, `budget` cuts)."""
 
     name = "tree-random"
     Config = TreeRandomConfig

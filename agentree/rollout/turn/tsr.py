@@ -19,6 +19,12 @@ reward is left out of the update (`group` returns nothing for it; `rollout/filte
 them), unless every task of the batch is such a task, when all are kept. Where the paper is silent:
 ties go to the earlier candidate; a candidate the scorer cannot score ranks last; a candidate
 that ends the episode is scored like any other (the scorers give a solved state 1).
+
+With `env_step_budget: N` (exact env steps per task; every candidate and look-ahead step counts)
+a task searches until N steps are spent: when all of its trajectories (or its beam search) have
+ended with steps left, G new trajectories (a new beam search) start from the task, at most one
+per N steps left. Candidates the budget cuts take no step and are not chosen; branches live
+when it runs out end with `budget` and stay out of the group.
 """
 
 from __future__ import annotations
@@ -30,12 +36,12 @@ from typing import Literal
 from pydantic import Field
 
 from agentree.envs.base import Task
-from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
+from agentree.rollout.base import Controller, RolloutContext, RolloutStats, TurnConfig
 from agentree.rollout.turn.turns import Branch, TurnRunner
 from agentree.tree import EndReason, Trajectory, Tree
 
 
-class TSRConfig(ControllerConfig):
+class TSRConfig(TurnConfig):
     mode: Literal["best_of_n", "beam", "lookahead"] = "best_of_n"
     """Per-turn search: best-of-N, beam search, or shallow lookahead."""
     G: int = Field(4, ge=1)
@@ -57,7 +63,9 @@ class TSR(Controller):
     uses_scorer = True
     config: TSRConfig
 
-    def group_size(self) -> int:
+    def group_size(self) -> int | None:
+        if self.config.env_step_budget:
+            return None
         return self.config.width if self.config.mode == "beam" else self.config.G
 
     def rollout(
@@ -66,9 +74,11 @@ class TSR(Controller):
         cfg = self.config
         stats = RolloutStats()
         t0 = time.perf_counter()
-        with TurnRunner(ctx, stats) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
             # beam search starts from the task's root state alone (one beam of width 1)
             starts = 1 if cfg.mode == "beam" else cfg.G
+            if runner.budget is not None:
+                starts = max(1, min(starts, runner.budget // cfg.N))
             groups = runner.start(tasks, starts, fork=True)
             trees = [g[0].tree for g in groups]
             # one pool per task in beam mode, one pool per trajectory otherwise
@@ -76,7 +86,10 @@ class TSR(Controller):
             turn = 0
             while any(pools):
                 turn += 1
+                steps = stats.env_steps
                 pools = self._turn(runner, tasks, trees, pools, ctx)
+                if runner.budget is not None and stats.env_steps > steps:
+                    pools += self._restart(runner, tasks, trees, pools)
                 ctx.report(f"{self.name}: turn {turn}, {sum(map(len, pools))} live")
         if cfg.filter:
             uniform = [len({t.reward for t in self._kept(tree)}) <= 1 for tree in trees]
@@ -85,6 +98,28 @@ class TSR(Controller):
                     tree.meta["filtered"] = u
             stats.extra["filtered"] = float(sum(uniform)) if not all(uniform) else 0.0
         return self.finish(trees, stats, t0)
+
+    def _restart(
+        self,
+        runner: TurnRunner,
+        tasks: Sequence[Task],
+        trees: list[Tree],
+        pools: list[list[Branch]],
+    ) -> list[list[Branch]]:
+        """New searches for the tasks with nothing live and steps left (see the module)."""
+        cfg = self.config
+        busy = {id(b.tree) for pool in pools for b in pool}
+        out: list[list[Branch]] = []
+        for tree, task in zip(trees, tasks, strict=True):
+            left = runner.left(tree)
+            if id(tree) in busy or left <= 0:
+                continue
+            if cfg.mode == "beam":
+                out.append(runner.add_root_branches(tree, task, 1))
+            else:
+                n = max(1, min(cfg.G, left // cfg.N))
+                out += [[b] for b in runner.add_root_branches(tree, task, n)]
+        return out
 
     def _turn(
         self,
@@ -102,6 +137,9 @@ class TSR(Controller):
         ]
         flat = [c for cs in cands for c in cs]
         still, _ = runner.advance(flat)
+        if runner.cut:  # candidates the budget cut took no step: nothing to choose
+            cands = [[c for c in cs if id(c) not in runner.cut] for cs in cands]
+            flat = [c for cs in cands for c in cs]
         live = {id(b) for b in still}
         scores: dict[int, float] = {}
         if cfg.mode == "lookahead":

@@ -5,6 +5,11 @@ on, and an env positioned at that node's state. `TurnRunner.advance` takes one t
 given branch with a single batched engine call and concurrent env steps; `TurnRunner.fork`
 splits a branch into children that continue from the same env state via snapshot/restore, so
 the shared prefix is never re-simulated.
+
+With an env-step budget (`rollout.env_step_budget=N`) the runner counts each task's env steps
+and `advance` never lets a task take more than N: when fewer steps are left than the task has
+branches to step, the first ones (in the order given) step and the others end with
+`EndReason.BUDGET`. Controllers ask `left(tree)` to decide what to start.
 """
 
 from __future__ import annotations
@@ -54,9 +59,15 @@ class Branch:
 class TurnRunner:
     """Owns the envs of one rollout call; use as a context manager so they are always closed."""
 
-    def __init__(self, ctx: RolloutContext, stats: RolloutStats) -> None:
+    def __init__(self, ctx: RolloutContext, stats: RolloutStats, budget: int | None = None) -> None:
         self.ctx = ctx
         self.stats = stats
+        self.budget = budget or None
+        """Env steps each task may take; None: no limit."""
+        self.spent: dict[int, int] = {}
+        """id(tree) -> env steps its task has taken."""
+        self.cut: set[int] = set()
+        """id() of the branches the budget ended in the last `advance` (they took no step)."""
         self._envs: list[Env] = []
         self._free: list[Env] = []
         self._pool = ThreadPoolExecutor(max_workers=max(1, ctx.env_workers))
@@ -98,6 +109,31 @@ class TurnRunner:
         if len(items) <= 1:
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))
+
+    # -- the env-step budget ------------------------------------------------------------------
+    def left(self, tree: Tree) -> int:
+        """Env steps `tree`'s task may still take (a large number without a budget)."""
+        if self.budget is None:
+            return 1 << 62
+        return self.budget - self.spent.get(id(tree), 0)
+
+    def _within_budget(
+        self, branches: list[Branch], completions: list[Completion] | None
+    ) -> tuple[list[Branch], list[Completion] | None, list[Branch]]:
+        """(branches that may step, their completions, branches the budget cuts)."""
+        if self.budget is None:
+            return branches, completions, []
+        taken: dict[int, int] = {}
+        keep: list[int] = []
+        for i, b in enumerate(branches):
+            t = id(b.tree)
+            if taken.get(t, 0) < self.left(b.tree):
+                taken[t] = taken.get(t, 0) + 1
+                keep.append(i)
+        kept = set(keep)
+        cut = [b for i, b in enumerate(branches) if i not in kept]
+        comps = None if completions is None else [completions[i] for i in keep]
+        return [branches[i] for i in keep], comps, cut
 
     # -- starting ----------------------------------------------------------------------------
     def start(
@@ -192,14 +228,35 @@ class TurnRunner:
         """Take one turn for each branch; returns (still active, ended).
 
         Branches whose context leaves no room for a response end with `max_tokens` before
-        generating. With `theta`, a branch that has now taken the same action `theta` times in
-        a row ends as `pruned_repeat`.
+        generating; `completions`, when given, are aligned with `branches`. With `theta`, a
+        branch that has now taken the same action `theta` times in a row ends as
+        `pruned_repeat`. Branches beyond their task's env-step budget end with `budget`
+        after the others stepped (so a node a sibling continued from is not marked a leaf).
         """
         room = self.ctx.max_context - self.ctx.sampling.max_tokens
         ended = [b for b in branches if len(b.context) > room]
         for b in ended:
             self._end(b, EndReason.MAX_TOKENS)
-        live = [b for b in branches if len(b.context) <= room]
+        fits = [i for i, b in enumerate(branches) if len(b.context) <= room]
+        live = [branches[i] for i in fits]
+        if completions is not None:
+            completions = [completions[i] for i in fits]
+        live, completions, cut = self._within_budget(live, completions)
+        self.cut = {id(b) for b in cut}
+        active, ended = self._step(live, completions, ended, theta)
+        for b in cut:
+            self._end(b, EndReason.BUDGET)
+        if cut:
+            self.stats.extra["budget_cut"] = self.stats.extra.get("budget_cut", 0.0) + len(cut)
+        return active, ended + cut
+
+    def _step(
+        self,
+        live: list[Branch],
+        completions: Sequence[Completion] | None,
+        ended: list[Branch],
+        theta: int | None,
+    ) -> tuple[list[Branch], list[Branch]]:
         if not live:
             return [], ended
         if completions is None:
@@ -221,6 +278,7 @@ class TurnRunner:
         active: list[Branch] = []
         for b, comp, action, (res, dt) in zip(live, completions, actions, results, strict=True):
             self.stats.env_steps += 1
+            self.spent[id(b.tree)] = self.spent.get(id(b.tree), 0) + 1
             node_fields: dict[str, Any] = {
                 "action": action,
                 "action_ids": list(comp.token_ids),

@@ -1,0 +1,289 @@
+"""Where can trees help? The mechanism measured from rollouts alone, before any training.
+
+For each method (`grpo`, `patr`, `tree-random`, `arpo`, `tree-grpo`, `tsr`) and each level of
+policy strength, the same held-out tasks are rolled out at the same exact env-step budget per
+task (`rollout.env_step_budget`, so no method draws more environment than another) and we count:
+
+- `informative_share`: the share of tasks whose rollout group has rewards not all equal (a
+  group with one reward for all teaches GRPO-style objectives nothing; an empty group counts
+  as uninformative), and `informative_per_1k_steps`;
+- `successes_per_1k_steps`: successful trajectories of the groups per 1,000 env steps;
+- `distinct_states`: distinct env states visited per task (`Env.state_key`, else the text);
+- `forward_tokens_per_step`: tokens the policy computed (sampled + prefilled, prefix-cache hits
+  excluded) per env step.
+
+Policy strength is swept by sampling temperature (`--temperatures`) on one policy (`--policy`,
+default the env's warm start `tiny-warm`). A level is named by its base success rate: flat
+sampling's (`grpo`) success rate at that temperature, so choose temperatures that take it from
+about 2% to about 60% (the summary prints it per level; add levels and rerun: finished ones are
+kept). Methods use their controllers' defaults, except TSR: best of 2 candidates per turn, one
+trajectory at a time (G=1), so the budget cuts at most one of its searches (a beam of width W
+costs W x N steps a turn and would mostly be cut); `--method-set tsr.mode=beam` changes one.
+
+Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|module:Class`,
+`--config`, `--set key=value`); `--label` names the env in the results (default: the env's
+name), so one output directory can hold several envs.
+
+    python benchmarks/tree_mechanism.py --out DIR --set env.size=8 --set env.max_turns=30 \\
+        --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.6 1 1.4 1.8 2.4 3
+    python benchmarks/tree_mechanism.py --out DIR --config sokoban_patr --set env.size=7 \\
+        --set env.boxes=2 --label sokoban2 --budget 120 --tasks 256
+    python benchmarks/tree_mechanism.py --out DIR --policy tiny --tasks 2 --budget 12 \\
+        --temperatures 1 --methods grpo patr                                         # smoke
+
+Each (env, method, level) is written to `DIR/<label>/<method>/T<temperature>.json` as soon as
+it finishes and skipped when present, so a stopped run resumes where it stopped. `DIR/
+summary.json` holds {"budget": {label: N}, "levels": {label: [{"temperature", "base_success"}]},
+"mechanism": {label: {method: {"base_success": [...], "informative_share": [...], ...}}}}
+(lists aligned with the levels, sorted by base success), and `DIR/<label>_mechanism.png` plots
+the informative-group share against base success, a line per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from agentree.algorithms.advantages import node_state_key
+from agentree.config import load_config, parse_override
+from agentree.envs.base import Task
+from agentree.rollout.base import RolloutStats, make_controller
+from agentree.run.runtime import Runtime
+from agentree.tree import Tree
+
+METHODS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "patr": {},
+    "tree-random": {},
+    "arpo": {},
+    "tree-grpo": {},
+    "tsr": {"mode": "best_of_n", "G": 1, "N": 2},
+}
+METRICS = (
+    "informative_share",
+    "informative_per_1k_steps",
+    "successes_per_1k_steps",
+    "success_rate",
+    "distinct_states",
+    "forward_tokens_per_step",
+    "env_steps_per_task",
+    "trajectories_per_task",
+)
+
+
+def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str, float]:
+    """The raw counts of one rollout; `metrics` turns summed counts into the reported rates."""
+    out = {"tasks": 0, "informative": 0, "empty": 0, "trajectories": 0, "successes": 0}
+    out["states"] = 0
+    for tree in trees:
+        group = controller.group(tree)
+        out["tasks"] += 1
+        out["empty"] += not group
+        out["informative"] += len({t.reward for t in group}) > 1
+        out["trajectories"] += len(group)
+        out["successes"] += sum(tree.success(t.leaf) for t in group)
+        out["states"] += len({node_state_key(tree, n.id) for n in tree.nodes})
+    out["env_steps"] = stats.env_steps
+    out["forward_tokens"] = stats.policy_tokens_generated + stats.policy_tokens_prefilled
+    out["budget_cut"] = int(stats.extra.get("budget_cut", 0))
+    return out
+
+
+def metrics(c: dict[str, float]) -> dict[str, float]:
+    steps, tasks = max(c["env_steps"], 1), max(c["tasks"], 1)
+    return {
+        "informative_share": c["informative"] / tasks,
+        "informative_per_1k_steps": 1000 * c["informative"] / steps,
+        "successes_per_1k_steps": 1000 * c["successes"] / steps,
+        "success_rate": c["successes"] / max(c["trajectories"], 1),
+        "distinct_states": c["states"] / tasks,
+        "forward_tokens_per_step": c["forward_tokens"] / steps,
+        "env_steps_per_task": c["env_steps"] / tasks,
+        "trajectories_per_task": c["trajectories"] / tasks,
+    }
+
+
+def method_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each method's controller settings: the defaults above, `--method-set` on top."""
+    out = {m: dict(METHODS.get(m, {})) for m in args.methods}
+    for item in args.method_set:
+        keys, value = parse_override(item)
+        if len(keys) != 2 or keys[0] not in out:
+            raise ValueError(f"--method-set expects METHOD.key=value for a chosen method: {item}")
+        out[keys[0]][keys[1]] = value
+    return out
+
+
+def run_level(
+    rt: Runtime,
+    method: str,
+    settings: dict[str, Any],
+    tasks: list[Task],
+    temperature: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One method at one temperature over every task, in batches of `--batch` tasks."""
+    controller = make_controller(method, **settings, env_step_budget=args.budget)
+    total: dict[str, float] = {}
+    t0 = time.perf_counter()
+    rt.engine.seed(args.seed)
+    rng = random.Random(args.seed)
+    for i in range(0, len(tasks), args.batch):
+        rt.engine.sync_weights(rt.model)  # a cold prefix cache: prefill counts compare
+        ctx = rt.rollouts.context(temperature=temperature)
+        ctx.rng = rng
+        # the controller itself, not `Rollouts.rollout`: an empty group is a measurement here
+        trees, stats = controller.rollout(tasks[i : i + args.batch], ctx)
+        for k, v in counts(controller, trees, stats).items():
+            total[k] = total.get(k, 0) + v
+    return {
+        "method": method,
+        "temperature": temperature,
+        "settings": {**settings, "env_step_budget": args.budget},
+        "counts": total,
+        **metrics(total),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def level_path(out: Path, label: str, method: str, temperature: float) -> Path:
+    return out / label / method / f"T{temperature:g}.json"
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every missing (method, level) of this env, written as it finishes."""
+    out, label = Path(args.out), args.label
+    settings = method_settings(args)
+    todo = [
+        (m, t)
+        for t in args.temperatures
+        for m in settings
+        if not level_path(out, label, m, t).exists()
+    ]
+    if "grpo" not in settings:
+        raise ValueError("--methods must include grpo: flat sampling's success names the levels")
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {len(todo)} runs to do", flush=True)
+    if not todo:
+        return
+    cfg = load_config(
+        args.config,
+        select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": args.policy},
+        overrides=[*args.set, f"seed={args.seed}"],
+    )
+    rt = Runtime(cfg, log=lambda s: print(s, flush=True))
+    try:
+        tasks = rt.load_tasks(args.tasks, split="eval")
+        for k, (method, temperature) in enumerate(todo, 1):
+            result = run_level(rt, method, settings[method], tasks, temperature, args)
+            result.update({"label": label, "tasks": len(tasks)})
+            path = level_path(out, label, method, temperature)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1))
+            print(
+                f"[{time.strftime('%H:%M:%S')}] {label} {k}/{len(todo)}: {method} T={temperature:g}"
+                f" success {result['success_rate']:.3f}, informative "
+                f"{result['informative_share']:.3f}, {result['env_steps_per_task']:.1f} steps/task"
+                f" ({result['wall_s']:.0f} s)",
+                flush=True,
+            )
+    finally:
+        rt.close()
+
+
+def summarize(out: Path) -> dict[str, Any]:
+    """summary.json over every env and level found under `out`, and one plot per env."""
+    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}}
+    for env_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        results: dict[str, dict[float, dict[str, Any]]] = {}
+        for f in sorted(env_dir.glob("*/T*.json")):
+            r = json.loads(f.read_text())
+            results.setdefault(r["method"], {})[r["temperature"]] = r
+            summary["budget"][env_dir.name] = r["settings"]["env_step_budget"]
+        base = {t: r["success_rate"] for t, r in results.get("grpo", {}).items()}
+        if not base:
+            continue
+        temps = sorted(base, key=lambda t: (base[t], t))
+        summary["levels"][env_dir.name] = [
+            {"temperature": t, "base_success": base[t]} for t in temps
+        ]
+        mech: dict[str, Any] = {}
+        for method, by_t in results.items():
+            ts = [t for t in temps if t in by_t]
+            mech[method] = {
+                "temperature": ts,
+                "base_success": [base[t] for t in ts],
+                **{m: [by_t[t][m] for t in ts] for m in METRICS},
+            }
+        summary["mechanism"][env_dir.name] = mech
+        plot(env_dir.name, mech, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def plot(label: str, mech: dict[str, Any], out: Path) -> None:
+    # deferred: matplotlib is only needed for the figure
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # deferred: pyplot after the backend is chosen
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, m in mech.items():
+        ax.plot(m["base_success"], m["informative_share"], marker="o", label=method)
+    ax.set_xlabel("base success rate (flat sampling)")
+    ax.set_ylabel("share of informative groups")
+    ax.set_title(f"{label}: equal env steps per task")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{label}_mechanism.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="results directory (resumable)")
+    ap.add_argument("--env", default=None, help="NAME or module:Class (default: the config's)")
+    ap.add_argument("--scorer", default=None, help="NAME or module:Class (PATR and TSR use it)")
+    ap.add_argument("--config", default=None, help="config NAME or FILE (default: the env's)")
+    ap.add_argument("--set", action="append", default=[], help="config override key=value")
+    ap.add_argument("--label", default=None, help="the env's name in the results")
+    ap.add_argument("--policy", default="tiny-warm", help="tiny-warm, tiny, a path or a hub id")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
+    ap.add_argument("--budget", type=int, default=64, help="env steps per task, every method")
+    ap.add_argument("--tasks", type=int, default=128, help="held-out tasks per level")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.4, 2.0, 3.0])
+    ap.add_argument("--batch", type=int, default=32, help="tasks per rollout call")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.budget < 1:
+        ap.error("--budget must be at least 1 env step per task")
+    if args.label is None:
+        name = args.env or load_config(args.config, overrides=args.set).component("env")[0]
+        args.label = name.rsplit(":", 1)[-1].lower()
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    measure(args)
+    summary = summarize(Path(args.out))
+    for method, m in summary["mechanism"].get(args.label, {}).items():
+        cells = ", ".join(
+            f"{b:.2f}->{s:.2f}"
+            for b, s in zip(m["base_success"], m["informative_share"], strict=True)
+        )
+        print(f"{args.label} {method:<12} base success -> informative share: {cells}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

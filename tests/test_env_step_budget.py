@@ -1,0 +1,122 @@
+"""`rollout.env_step_budget=N`: every turn-level controller spends between N - max_turns and N
+env steps per task, counted on the tree (one node per env step) and on the envs themselves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_rollout import OPEN, CountingEnv, context, task
+from transformers import AutoTokenizer
+
+from agentree.envs import Task
+from agentree.rollout.base import make_controller
+from agentree.scorers import make_scorer
+from agentree.tree import EndReason
+
+MAX_TURNS = 6
+MOVES = ["```Up```", "```Down```", "```Left```", "```Right```", "no move"]
+
+# small versions of every turn-level controller; ARPO's scripted policy has no entropies, so
+# alpha > tau makes it branch wherever the budget allows
+CONTROLLERS = {
+    "grpo": {"G": 4},
+    "patr": {"B0": 2, "K": 2, "M": 2, "top_k": 1},
+    "tree-random": {"B0": 3, "K": 1, "M": 3, "top_k": 1},
+    "arpo": {"N": 2, "Z": 2, "alpha": 1.0},
+    "tree-grpo": {"M": 2, "N": 2},
+    "tree-grpo-old": {"M": 2, "N": 2, "expand_root": False, "replace": False},
+    "tsr": {"mode": "best_of_n", "G": 2, "N": 3},
+    "tsr-beam": {"mode": "beam", "N": 3, "width": 2},
+    "tsr-lookahead": {"mode": "lookahead", "G": 2, "N": 2, "depth": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_frozenlake):
+    return AutoTokenizer.from_pretrained(tiny_frozenlake)
+
+
+def random_policy(seed: int):
+    """A seeded random walker (invalid answers included), so episodes end at varied turns."""
+    rng = random.Random(seed)
+    return lambda text, i: rng.choice(MOVES)
+
+
+def tasks() -> list[Task]:
+    """Random 4x4 maps with holes: episodes end by goal, hole or the turn limit."""
+    return [Task(f"t{s}", seed=s, options={}) for s in range(3)]
+
+
+def rollout(tokenizer, key: str, budget: int | None, seed: int = 0):
+    name = key.split("-old")[0].split("-beam")[0].split("-lookahead")[0]
+    ctx = context(tokenizer, random_policy(seed), make_scorer("bfs"), max_turns=MAX_TURNS, p=0.7)
+    ctx.rng = random.Random(seed)
+    ctrl = make_controller(name, env_step_budget=budget, **CONTROLLERS[key])
+    trees, stats = ctrl.rollout(tasks(), ctx)
+    return ctrl, trees, stats
+
+
+@pytest.mark.parametrize("key", list(CONTROLLERS))
+@pytest.mark.parametrize("budget", [9, 20, 37])
+def test_every_controller_spends_its_budget_exactly(tokenizer, key, budget):
+    ctrl, trees, stats = rollout(tokenizer, key, budget)
+    per_task = [len(t.nodes) - 1 for t in trees]  # one node per env step below the root
+    for steps in per_task:
+        assert budget - MAX_TURNS <= steps <= budget
+    assert sum(per_task) == stats.env_steps == CountingEnv.counts["step"]
+    for tree in trees:
+        group = ctrl.group(tree)  # may be empty: TSR pays N steps a turn
+        leaves = tree.finished_leaves()
+        assert all(leaf.end_reason is not None for leaf in tree.leaves())  # nothing silent
+        cut = {n.id for n in leaves if n.end_reason == EndReason.BUDGET}
+        assert not cut & {t.leaf for t in group}  # cut branches never train
+    assert stats.trajectories == sum(len(ctrl.group(t)) for t in trees)
+
+
+def nodes(trees) -> list[list[dict]]:
+    """The trees' nodes without the env-step wall times."""
+    out = [t.to_dict()["nodes"] for t in trees]
+    for ns in out:
+        for n in ns:
+            n["info"].pop("step_s", None)
+    return out
+
+
+@pytest.mark.parametrize("key", ["grpo", "patr", "tree-grpo", "tsr"])
+def test_no_budget_is_the_controllers_own_sizes(tokenizer, key):
+    _, off, s_off = rollout(tokenizer, key, None)
+    _, zero, s_zero = rollout(tokenizer, key, 0)
+    assert nodes(off) == nodes(zero)
+    assert "budget_cut" not in s_off.extra and s_off.env_steps == s_zero.env_steps
+
+
+def test_grpo_draws_until_the_budget_is_spent_and_cuts_only_the_last(tokenizer):
+    # Always Right on the open map: no goal on the top row, so every episode is 4 turns.
+    ctx = context(tokenizer, lambda text, i: "```Right```", max_turns=4)
+    ctrl = make_controller("grpo", G=2, env_step_budget=10)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    # two trajectories of 4 steps; 2 steps left: one more starts (none is live) and is cut
+    # after 2 steps, out of the group
+    reasons = sorted(str(n.end_reason) for n in tree.finished_leaves())
+    assert reasons == ["budget", "max_turns", "max_turns"]
+    assert stats.env_steps == 10 and stats.trajectories == 2
+    assert stats.extra["budget_cut"] == 1
+    assert CountingEnv.counts["reset"] == 3
+    # with 26 steps: 6 whole trajectories (more than G), then 2 steps of a cut seventh
+    (tree,), stats = make_controller("grpo", G=2, env_step_budget=26).rollout([task()], ctx)
+    assert stats.trajectories == 6 and stats.env_steps == 26
+
+
+def test_patr_restarts_below_the_same_root_while_steps_are_left(tokenizer):
+    ctx = context(tokenizer, lambda text, i: "```Right```", make_scorer("bfs"), max_turns=4)
+    cfg = {"B0": 2, "K": 4, "M": 2, "top_k": 1, "theta": None}
+    (tree,), stats = make_controller("patr", **cfg, env_step_budget=20).rollout([task()], ctx)
+    # round 1: two branches of 4 turns end at the checkpoint (8 steps); rounds 2 and 3 the
+    # same (16, then 24 > 20): the third round's two branches are cut after 2 steps each
+    assert stats.env_steps == 20
+    assert len(tree.root.children) == 6
+    reasons = [str(n.end_reason) for n in tree.finished_leaves()]
+    assert reasons.count("budget") == 2 and reasons.count("max_turns") == 4
+    assert stats.trajectories == 4
+    assert OPEN[0] == "SFFF"  # the map the hand count above relies on

@@ -1,0 +1,89 @@
+"""benchmarks/tree_mechanism.py: its counts by hand, and a tiny resumable run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentree.rollout.base import RolloutStats, make_controller
+from agentree.tree import EndReason, Tree
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_mechanism.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("tree_mechanism", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tree_mechanism"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tree(task: str, paths: list[list[tuple[str, float]]]) -> Tree:
+    """Each path a chain below the root: (state key, reward) per step."""
+    t = Tree(task)
+    t.add_root("start", [1], {"state_key": "S"})
+    for path in paths:
+        cur = 0
+        for k, (state, reward) in enumerate(path):
+            last = k == len(path) - 1
+            cur = t.add_child(
+                cur,
+                action="a",
+                action_ids=[2],
+                reward=reward,
+                end_reason=EndReason.COMPLETED if last else None,
+                info={"state_key": state},
+            ).id
+    return t
+
+
+def test_counts_and_rates_by_hand(bench):
+    # task a: rewards 1 and 0 (informative, one success); states S, A, G, B -> 4
+    # task b: rewards 0 and 0 (uninformative); states S, A -> 2
+    # task c: its only branch cut by the budget: an empty group, uninformative; states S, A
+    a = tree("a", [[("A", 0.0), ("G", 1.0)], [("B", 0.0)]])
+    b = tree("b", [[("A", 0.0)], [("A", 0.0)]])
+    c = tree("c", [[("A", 0.0)]])
+    c.nodes[1].end_reason = EndReason.BUDGET
+    stats = RolloutStats(env_steps=8, policy_tokens_generated=30, policy_tokens_prefilled=50)
+    counts = bench.counts(make_controller("grpo"), [a, b, c], stats)
+    assert counts["informative"] == 1 and counts["empty"] == 1 and counts["successes"] == 1
+    assert counts["trajectories"] == 4 and counts["states"] == 4 + 2 + 2
+    m = bench.metrics(counts)
+    assert m["informative_share"] == pytest.approx(1 / 3)
+    assert m["successes_per_1k_steps"] == pytest.approx(1000 * 1 / 8)
+    assert m["informative_per_1k_steps"] == pytest.approx(1000 * 1 / 8)
+    assert m["success_rate"] == pytest.approx(1 / 4)
+    assert m["distinct_states"] == pytest.approx(8 / 3)
+    assert m["forward_tokens_per_step"] == pytest.approx(80 / 8)
+
+
+def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny_frozenlake):
+    out = tmp_path / "mech"
+    common = ["--out", str(out), "--policy", "tiny", "--tasks", "2", "--budget", "7"]
+    common += ["--methods", "grpo", "patr", "--set", "env.max_turns=4", "--batch", "1"]
+    summary = bench.main([*common, "--temperatures", "1"])
+    mech = summary["mechanism"]["frozenlake"]
+    assert set(mech) == {"grpo", "patr"} and summary["budget"] == {"frozenlake": 7}
+    for m in mech.values():
+        assert len(m["informative_share"]) == len(m["base_success"]) == 1
+        # the exact budget: at most 7 env steps per task, at least 7 - max_turns
+        assert 7 - 4 <= m["env_steps_per_task"][0] <= 7
+        assert 0.0 <= m["informative_share"][0] <= 1.0
+    assert mech["grpo"]["base_success"] == mech["grpo"]["success_rate"]
+    assert (out / "frozenlake_mechanism.png").stat().st_size > 0
+    first = (out / "frozenlake" / "patr" / "T1.json").read_text()
+    assert "2 runs to do" in capsys.readouterr().out
+    # a second call with one more level runs only that level's two methods
+    summary = bench.main([*common, "--temperatures", "1", "2"])
+    assert "2 runs to do" in capsys.readouterr().out
+    assert (out / "frozenlake" / "patr" / "T1.json").read_text() == first
+    levels = summary["levels"]["frozenlake"]
+    assert sorted(lv["temperature"] for lv in levels) == [1.0, 2.0]
+    assert json.loads((out / "summary.json").read_text()) == summary
