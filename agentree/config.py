@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentree.algorithms.advantages import check_advantage_options
+from agentree.algorithms.advantages import estimator_options
 from agentree.envs.base import env_class, format_validation_error
 from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
@@ -192,10 +192,10 @@ class TrainConfig(_Section):
         return {**scale, **self.advantage_options}
 
     @model_validator(mode="after")
-    def _check_advantage_options(self) -> TrainConfig:
+    def _advantage_options(self) -> TrainConfig:
         if "scale" in self.advantage_options:
             raise ValueError("set the grpo std scaling with train.adv_scale, not advantage_options")
-        check_advantage_options(self.advantage, self.advantage_options)
+        estimator_options(self.advantage, self.advantage_options)
         return self
 
     @model_validator(mode="after")

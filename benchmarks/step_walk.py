@@ -61,7 +61,7 @@ def walk(config: str | None, overrides: list[str]) -> dict:
         calls: list[tuple[str, str]] = []  # (caller module, callee module) across modules
         stack: list[str | None] = []
 
-        def hook(frame, event, _arg):  # noqa: ANN001
+        def hook(frame, event, _arg):
             if event == "call":
                 mod = module_of(frame.f_code.co_filename)
                 caller = next((m for m in reversed(stack) if m is not None), None)

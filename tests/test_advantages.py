@@ -5,8 +5,8 @@ import math
 import pytest
 
 from agentree.algorithms.advantages import (
-    check_advantage_options,
     compute_advantages,
+    estimator_options,
     group_normalized,
     treepo_advantages,
     treepo_pooled,
@@ -284,13 +284,13 @@ def test_treepo_batch_whitening_leaves_out_trees_without_signal():
 
 
 def test_advantage_options_are_validated():
-    check_advantage_options("treepo", {"norm": "tree-std", "distinct_subgroups": True})
+    estimator_options("treepo", {"norm": "tree-std", "distinct_subgroups": True})
     with pytest.raises(ValueError, match="has no option 'norm'"):
-        check_advantage_options("grpo", {"norm": "batch"})
+        estimator_options("grpo", {"norm": "batch"})
     with pytest.raises(ValueError, match="must be one of"):
-        check_advantage_options("treepo", {"norm": "group"})
+        estimator_options("treepo", {"norm": "group"})
     with pytest.raises(ValueError, match="must be a bool"):
-        check_advantage_options("treepo", {"distinct_subgroups": "yes"})
+        estimator_options("treepo", {"distinct_subgroups": "yes"})
 
 
 def test_compute_advantages_rejects_bad_input():

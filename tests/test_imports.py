@@ -121,7 +121,8 @@ def test_no_cycle_between_folders():
 
 
 LAYERS = [
-    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat", "agentree.signals",
+    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat",
+                   "agentree.signals",
                    "agentree.prompts", "agentree.configs"]),
     ("algorithms", ["agentree.algorithms"]),
     ("envs", ["agentree.envs"]),

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from agentree.algorithms.advantages import (
-    check_advantage_options,
     compute_advantages,
+    estimator_options,
     gigpo_advantages,
     group_normalized,
     rtmc_advantages,
@@ -374,9 +374,9 @@ def test_gigpo_std_norm_divides_a_single_member_episode_group_by_one_plus_eps():
 
 
 def test_new_estimator_options_are_checked():
-    check_advantage_options("gigpo", {"step_gamma": 0.9, "norm": "std", "state_key": "env"})
-    check_advantage_options("rtmc", {"signature": "history", "prior": 1.0})
+    estimator_options("gigpo", {"step_gamma": 0.9, "norm": "std", "state_key": "env"})
+    estimator_options("rtmc", {"signature": "history", "prior": 1.0})
     with pytest.raises(ValueError, match="must be one of"):
-        check_advantage_options("gigpo", {"norm": "max"})
+        estimator_options("gigpo", {"norm": "max"})
     with pytest.raises(ValueError, match="has no option"):
-        check_advantage_options("rtmc", {"step_gamma": 0.9})
+        estimator_options("rtmc", {"step_gamma": 0.9})

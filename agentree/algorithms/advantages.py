@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from agentree.registry import Registry
 from agentree.tree import Node, Trajectory, Tree
 
@@ -526,51 +528,114 @@ _per_tree("rtmc", rtmc_advantages)
 _per_tree("treegrpo", treegrpo_advantages)
 ESTIMATORS = tuple(ESTIMATORS_BY_NAME.names())
 
-ADVANTAGE_OPTIONS: dict[str, dict[str, tuple[str, ...] | type]] = {
-    "grpo": {"eps": float, "scale": ("std", "none")},
-    "treepo": {"eps": float, "norm": TREEPO_NORMS, "distinct_subgroups": bool},
-    "treerl": {},
-    "gigpo": {
-        "step_gamma": float,
-        "episode_weight": float,
-        "step_weight": float,
-        "norm": ("mean", "std"),
-        "episode_stats": ("steps", "trajectories"),
-        "state_key": ("env", "observation"),
-        "eps": float,
-    },
-    "rtmc": {
-        "gamma": float,
-        "signature": ("state", "history"),
-        "prior": float,
-        "state_key": ("env", "observation"),
-    },
-    "treegrpo": {"eps": float},
+
+class _Options(BaseModel):
+    """An estimator's keyword options as set in `train.advantage_options`; a field left unset
+    keeps the estimator function's own default (its signature is the one copy of it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def kwargs(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class GRPOOptions(_Options):
+    eps: float | None = Field(None, ge=0)
+    """Added to the group's std (1e-6)."""
+    scale: Literal["std", "none"] | None = None
+    """Divide by the group std (GRPO) or not (Dr. GRPO); set through `train.adv_scale`."""
+
+
+class TreePOOptions(_Options):
+    eps: float | None = Field(None, ge=0)
+    """Added to the std (1e-6)."""
+    norm: TreePONorm | None = None
+    """batch (REINFORCE++ over the batch, the default), batch-std, tree-std or none."""
+    distinct_subgroups: bool | None = None
+    """Pool each sub-group once however many leaves share it (False)."""
+
+
+class TreeRLOptions(_Options):
+    pass
+
+
+class GiGPOOptions(_Options):
+    step_gamma: float | None = Field(None, ge=0)
+    """Discount of the step-level returns (0.95)."""
+    episode_weight: float | None = Field(None, ge=0)
+    """Weight of the episode advantage (1)."""
+    step_weight: float | None = Field(None, ge=0)
+    """Weight of the step (anchor-state) advantage (1)."""
+    norm: Literal["mean", "std"] | None = None
+    """Subtract the group mean (mean, the default) or also divide by the std."""
+    episode_stats: Literal["steps", "trajectories"] | None = None
+    """Episode statistics over step rows (as verl-agent, the default) or trajectories."""
+    state_key: StateKey | None = None
+    """Anchor states by the env's `state_key` (env, the default) or the observation text."""
+    eps: float | None = Field(None, ge=0)
+    """Added to the std under norm: std (1e-6)."""
+
+
+class RTMCOptions(_Options):
+    gamma: float | None = Field(None, ge=0)
+    """Discount (1)."""
+    signature: Literal["state", "history"] | None = None
+    """Pool returns over identical states (the default) or identical histories."""
+    prior: float | None = Field(None, ge=0)
+    """Pseudo-count shrinking Q towards V (0)."""
+    state_key: StateKey | None = None
+    """As for gigpo."""
+
+
+class TreeGRPOOptions(_Options):
+    eps: float | None = Field(None, ge=0)
+    """Added to the std (1e-6)."""
+
+
+ADVANTAGE_OPTIONS: dict[str, type[_Options]] = {
+    "grpo": GRPOOptions,
+    "treepo": TreePOOptions,
+    "treerl": TreeRLOptions,
+    "gigpo": GiGPOOptions,
+    "rtmc": RTMCOptions,
+    "treegrpo": TreeGRPOOptions,
 }
-"""Each estimator's keyword options: a type, or the tuple of allowed values."""
+"""Each shipped estimator's options; a user's estimator ("module:function") checks its own."""
 
 
-def check_advantage_options(name: str, options: dict[str, Any]) -> None:
-    """Raise a one-sentence ValueError if `options` are not valid options of estimator `name`."""
+_MUST = {
+    "literal_error": "must be one of the allowed values",
+    "bool_type": "must be a bool",
+    "float_type": "must be a number",
+    "greater_than_equal": "must be a number >= 0",
+}
+
+
+def estimator_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` validated for estimator `name`, as the keyword arguments it takes; a bad name
+    or option raises a one-sentence ValueError."""
     if name not in ESTIMATORS_BY_NAME and ":" not in name:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ESTIMATORS}")
-    if name not in ADVANTAGE_OPTIONS:
-        return  # a user's estimator ("module:function") checks its own options
-    allowed = ADVANTAGE_OPTIONS[name]
-    for key, value in options.items():
-        if key not in allowed:
-            raise ValueError(
-                f"advantage {name!r} has no option {key!r}; its options are {sorted(allowed)}"
-            )
-        spec = allowed[key]
-        if isinstance(spec, tuple):
-            if value not in spec:
-                raise ValueError(f"advantage option {key!r} must be one of {spec}, got {value!r}")
-        elif spec is float:
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"advantage option {key!r} must be a number >= 0, got {value!r}")
-        elif not isinstance(value, spec):
-            raise ValueError(f"advantage option {key!r} must be a {spec.__name__}, got {value!r}")
+    model = ADVANTAGE_OPTIONS.get(name)
+    if model is None:
+        return dict(options)
+    try:
+        return model.model_validate(options).kwargs()
+    except ValidationError as e:
+        errors = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            if err["type"] == "extra_forbidden":
+                errors.append(
+                    f"advantage {name!r} has no option {key!r}; its options are "
+                    f"{sorted(model.model_fields)}"
+                )
+            else:
+                errors.append(
+                    f"advantage option {key!r} {_MUST.get(err['type'], 'is invalid')}, "
+                    f"got {err['input']!r} ({err['msg']})"
+                )
+        raise ValueError("; ".join(errors)) from None
 
 
 def compute_advantages(
@@ -583,9 +648,10 @@ def compute_advantages(
 
     `name` is one of `grpo` (group-normalised outcome over each tree's group, PATR Eq. 9),
     `treepo`, `treerl`, `gigpo`, `rtmc` or `treegrpo`; `kw` are that estimator's options,
-    listed in `ADVANTAGE_OPTIONS`. gigpo and rtmc give each turn its own advantage.
+    the fields of its `ADVANTAGE_OPTIONS` model. gigpo and rtmc give each turn its own
+    advantage.
     """
-    check_advantage_options(name, kw)
+    kw = estimator_options(name, kw)
     if len(trees) != len(trajectories_by_tree):
         raise ValueError(
             f"got {len(trees)} trees but {len(trajectories_by_tree)} trajectory groups; "
