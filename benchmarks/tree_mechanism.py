@@ -25,9 +25,9 @@ Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|
 name), so one output directory can hold several envs.
 
     python benchmarks/tree_mechanism.py --out DIR --set env.size=8 --set env.max_turns=30 \\
-        --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.6 1 1.4 1.8 2.4 3
+        --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.5 0.8 1 1.3 1.7 2.2 3
     python benchmarks/tree_mechanism.py --out DIR --config sokoban_patr --set env.size=7 \\
-        --set env.boxes=2 --label sokoban2 --budget 120 --tasks 256
+        --set env.boxes=2 --set env.max_turns=30 --label sokoban2 --budget 120 --tasks 256
     python benchmarks/tree_mechanism.py --out DIR --policy tiny --tasks 2 --budget 12 \\
         --temperatures 1 --methods grpo patr                                         # smoke
 
@@ -262,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.4, 2.0, 3.0])
     ap.add_argument("--batch", type=int, default=32, help="tasks per rollout call")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args(argv)
     if args.budget < 1:
         ap.error("--budget must be at least 1 env step per task")
@@ -273,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.threads:
+        # deferred: torch is heavy and only the engine needs it
+        import torch
+
+        # one thread each when several jobs share a few cores: oversubscribed threads made a
+        # level ~30x slower on a loaded 2-core machine
+        torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     measure(args)
     summary = summarize(Path(args.out))
