@@ -10,7 +10,10 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
 - `successes_per_1k_steps`: successful trajectories of the groups per 1,000 env steps;
 - `distinct_states`: distinct env states visited per task (`Env.state_key`, else the text);
 - `forward_tokens_per_step`: tokens the policy computed (sampled + prefilled, prefix-cache hits
-  excluded) per env step.
+  excluded) per env step;
+- `budget_cut_per_task`: branches the budget ended (out of the groups). The branches live when
+  it runs out are more often long ones, so many cuts bias a group towards short episodes: give
+  the budget room for several rounds of each method (e.g. 2 x G x the mean episode length).
 
 Policy strength is swept by sampling temperature (`--temperatures`) and, optionally, by warm
 starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`): a level
@@ -74,6 +77,7 @@ METRICS = (
     "forward_tokens_per_step",
     "env_steps_per_task",
     "trajectories_per_task",
+    "budget_cut_per_task",
 )
 
 
@@ -106,6 +110,7 @@ def metrics(c: dict[str, float]) -> dict[str, float]:
         "forward_tokens_per_step": c["forward_tokens"] / steps,
         "env_steps_per_task": c["env_steps"] / tasks,
         "trajectories_per_task": c["trajectories"] / tasks,
+        "budget_cut_per_task": c["budget_cut"] / tasks,
     }
 
 
