@@ -10,30 +10,35 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
 - `successes_per_1k_steps`: successful trajectories of the groups per 1,000 env steps;
 - `distinct_states`: distinct env states visited per task (`Env.state_key`, else the text);
 - `forward_tokens_per_step`: tokens the policy computed (sampled + prefilled, prefix-cache hits
-  excluded) per env step.
+  excluded) per env step;
+- `budget_cut_per_task`: branches the budget ended (out of the groups). The branches live when
+  it runs out are more often long ones, so many cuts bias a group towards short episodes: give
+  the budget room for several rounds of each method (e.g. 2 x G x the mean episode length).
 
-Policy strength is swept by sampling temperature (`--temperatures`) on one policy (`--policy`,
-default the env's warm start `tiny-warm`). A level is named by its base success rate: flat
-sampling's (`grpo`) success rate at that temperature, so choose temperatures that take it from
-about 2% to about 60% (the summary prints it per level; add levels and rerun: finished ones are
-kept). Methods use their controllers' defaults, except TSR: best of 2 candidates per turn, one
-trajectory at a time (G=1), so the budget cuts at most one of its searches (a beam of width W
-costs W x N steps a turn and would mostly be cut); `--method-set tsr.mode=beam` changes one.
+Policy strength is swept by sampling temperature (`--temperatures`) and, optionally, by warm
+starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`): a level
+is one (policy, temperature), named by its base success rate, flat sampling's (`grpo`) success
+rate there. Choose levels that take it from about 2% to about 60% (the summary prints it per
+level; add levels and rerun: finished ones are kept). Methods use their controllers' defaults,
+except TSR: best of 2 candidates per turn, one trajectory at a time (G=1), so the budget cuts at
+most one of its searches (a beam of width W costs W x N steps a turn and would mostly be cut);
+`--method-set tsr.mode=beam` changes one.
 
 Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|module:Class`,
 `--config`, `--set key=value`); `--label` names the env in the results (default: the env's
 name), so one output directory can hold several envs.
 
     python benchmarks/tree_mechanism.py --out DIR --set env.size=8 --set env.max_turns=30 \\
-        --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.6 1 1.4 1.8 2.4 3
+        --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.5 0.8 1 1.3 1.7 2.2 3
     python benchmarks/tree_mechanism.py --out DIR --config sokoban_patr --set env.size=7 \\
-        --set env.boxes=2 --label sokoban2 --budget 120 --tasks 256
+        --set env.boxes=2 --set env.max_turns=30 --label sokoban2 --budget 120 --tasks 256
     python benchmarks/tree_mechanism.py --out DIR --policy tiny --tasks 2 --budget 12 \\
         --temperatures 1 --methods grpo patr                                         # smoke
 
-Each (env, method, level) is written to `DIR/<label>/<method>/T<temperature>.json` as soon as
-it finishes and skipped when present, so a stopped run resumes where it stopped. `DIR/
-summary.json` holds {"budget": {label: N}, "levels": {label: [{"temperature", "base_success"}]},
+Each (env, method, level) is written to `DIR/<label>/<method>/<policy>-T<temperature>.json` as
+soon as it finishes and skipped when present, so a stopped run resumes where it stopped. `DIR/
+summary.json` holds {"budget": {label: N}, "levels": {label: [{"policy", "temperature",
+"base_success"}]},
 "mechanism": {label: {method: {"base_success": [...], "informative_share": [...], ...}}}}
 (lists aligned with the levels, sorted by base success), and `DIR/<label>_mechanism.png` plots
 the informative-group share against base success, a line per method.
@@ -72,6 +77,7 @@ METRICS = (
     "forward_tokens_per_step",
     "env_steps_per_task",
     "trajectories_per_task",
+    "budget_cut_per_task",
 )
 
 
@@ -104,6 +110,7 @@ def metrics(c: dict[str, float]) -> dict[str, float]:
         "forward_tokens_per_step": c["forward_tokens"] / steps,
         "env_steps_per_task": c["env_steps"] / tasks,
         "trajectories_per_task": c["trajectories"] / tasks,
+        "budget_cut_per_task": c["budget_cut"] / tasks,
     }
 
 
@@ -125,8 +132,10 @@ def run_level(
     tasks: list[Task],
     temperature: float,
     args: argparse.Namespace,
+    policy: str,
 ) -> dict[str, Any]:
-    """One method at one temperature over every task, in batches of `--batch` tasks."""
+    """One method at one level (`policy`, the engine's, at `temperature`) over every task, in
+    batches of `--batch` tasks."""
     controller = make_controller(method, **settings, env_step_budget=args.budget)
     total: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -142,6 +151,7 @@ def run_level(
             total[k] = total.get(k, 0) + v
     return {
         "method": method,
+        "policy": policy_tag(policy),
         "temperature": temperature,
         "settings": {**settings, "env_step_budget": args.budget},
         "counts": total,
@@ -150,44 +160,60 @@ def run_level(
     }
 
 
-def level_path(out: Path, label: str, method: str, temperature: float) -> Path:
-    return out / label / method / f"T{temperature:g}.json"
+def policy_tag(policy: str) -> str:
+    """A policy's name in file names: the last part of a path or hub id."""
+    return policy.rstrip("/").rsplit("/", 1)[-1]
+
+
+def level_path(out: Path, label: str, method: str, policy: str, temperature: float) -> Path:
+    return out / label / method / f"{policy_tag(policy)}-T{temperature:g}.json"
 
 
 def measure(args: argparse.Namespace) -> None:
     """Every missing (method, level) of this env, written as it finishes."""
     out, label = Path(args.out), args.label
     settings = method_settings(args)
-    todo = [
-        (m, t)
-        for t in args.temperatures
-        for m in settings
-        if not level_path(out, label, m, t).exists()
-    ]
     if "grpo" not in settings:
         raise ValueError("--methods must include grpo: flat sampling's success names the levels")
-    print(f"[{time.strftime('%H:%M:%S')}] {label}: {len(todo)} runs to do", flush=True)
-    if not todo:
-        return
+    for policy in args.policy:
+        todo = [
+            (m, t)
+            for t in args.temperatures
+            for m in settings
+            if not level_path(out, label, m, policy, t).exists()
+        ]
+        print(f"[{time.strftime('%H:%M:%S')}] {label} {policy}: {len(todo)} runs to do", flush=True)
+        if todo:
+            measure_policy(args, settings, todo, policy)
+
+
+def measure_policy(
+    args: argparse.Namespace,
+    settings: dict[str, dict[str, Any]],
+    todo: list[tuple[str, float]],
+    policy: str,
+) -> None:
+    """The `todo` (method, temperature) runs of one policy, on one engine."""
+    out, label = Path(args.out), args.label
     cfg = load_config(
         args.config,
-        select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": args.policy},
+        select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": policy},
         overrides=[*args.set, f"seed={args.seed}"],
     )
     rt = Runtime(cfg, log=lambda s: print(s, flush=True))
     try:
         tasks = rt.load_tasks(args.tasks, split="eval")
         for k, (method, temperature) in enumerate(todo, 1):
-            result = run_level(rt, method, settings[method], tasks, temperature, args)
+            result = run_level(rt, method, settings[method], tasks, temperature, args, policy)
             result.update({"label": label, "tasks": len(tasks)})
-            path = level_path(out, label, method, temperature)
+            path = level_path(out, label, method, policy, temperature)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=1))
             print(
-                f"[{time.strftime('%H:%M:%S')}] {label} {k}/{len(todo)}: {method} T={temperature:g}"
-                f" success {result['success_rate']:.3f}, informative "
-                f"{result['informative_share']:.3f}, {result['env_steps_per_task']:.1f} steps/task"
-                f" ({result['wall_s']:.0f} s)",
+                f"[{time.strftime('%H:%M:%S')}] {label} {k}/{len(todo)}: {method} "
+                f"{policy_tag(policy)} T={temperature:g} success {result['success_rate']:.3f}, "
+                f"informative {result['informative_share']:.3f}, "
+                f"{result['env_steps_per_task']:.1f} steps/task ({result['wall_s']:.0f} s)",
                 flush=True,
             )
     finally:
@@ -198,25 +224,26 @@ def summarize(out: Path) -> dict[str, Any]:
     """summary.json over every env and level found under `out`, and one plot per env."""
     summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}}
     for env_dir in sorted(p for p in out.iterdir() if p.is_dir()):
-        results: dict[str, dict[float, dict[str, Any]]] = {}
-        for f in sorted(env_dir.glob("*/T*.json")):
+        results: dict[str, dict[tuple[str, float], dict[str, Any]]] = {}
+        for f in sorted(env_dir.glob("*/*.json")):
             r = json.loads(f.read_text())
-            results.setdefault(r["method"], {})[r["temperature"]] = r
+            results.setdefault(r["method"], {})[(r["policy"], r["temperature"])] = r
             summary["budget"][env_dir.name] = r["settings"]["env_step_budget"]
-        base = {t: r["success_rate"] for t, r in results.get("grpo", {}).items()}
+        base = {lv: r["success_rate"] for lv, r in results.get("grpo", {}).items()}
         if not base:
             continue
-        temps = sorted(base, key=lambda t: (base[t], t))
+        levels = sorted(base, key=lambda lv: (base[lv], lv))
         summary["levels"][env_dir.name] = [
-            {"temperature": t, "base_success": base[t]} for t in temps
+            {"policy": p, "temperature": t, "base_success": base[(p, t)]} for p, t in levels
         ]
         mech: dict[str, Any] = {}
-        for method, by_t in results.items():
-            ts = [t for t in temps if t in by_t]
+        for method, by_level in results.items():
+            lvs = [lv for lv in levels if lv in by_level]
             mech[method] = {
-                "temperature": ts,
-                "base_success": [base[t] for t in ts],
-                **{m: [by_t[t][m] for t in ts] for m in METRICS},
+                "policy": [p for p, _ in lvs],
+                "temperature": [t for _, t in lvs],
+                "base_success": [base[lv] for lv in lvs],
+                **{m: [by_level[lv][m] for lv in lvs] for m in METRICS},
             }
         summary["mechanism"][env_dir.name] = mech
         plot(env_dir.name, mech, out)
@@ -254,7 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="config NAME or FILE (default: the env's)")
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--label", default=None, help="the env's name in the results")
-    ap.add_argument("--policy", default="tiny-warm", help="tiny-warm, tiny, a path or a hub id")
+    ap.add_argument(
+        "--policy", nargs="+", default=["tiny-warm"], help="tiny-warm, tiny, paths or hub ids"
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
     ap.add_argument("--budget", type=int, default=64, help="env steps per task, every method")
@@ -262,6 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.4, 2.0, 3.0])
     ap.add_argument("--batch", type=int, default=32, help="tasks per rollout call")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args(argv)
     if args.budget < 1:
         ap.error("--budget must be at least 1 env step per task")
@@ -273,9 +303,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    measure(args)
-    summary = summarize(Path(args.out))
+    before = 0
+    if args.threads:
+        # deferred: torch is heavy and only the engine needs it
+        import torch
+
+        # one thread per job where several jobs share a few cores: oversubscribed threads
+        # slow every job down
+        before = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        measure(args)
+        summary = summarize(Path(args.out))
+    finally:
+        if before:
+            torch.set_num_threads(before)
     for method, m in summary["mechanism"].get(args.label, {}).items():
         cells = ", ".join(
             f"{b:.2f}->{s:.2f}"

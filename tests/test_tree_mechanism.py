@@ -66,9 +66,9 @@ def test_counts_and_rates_by_hand(bench):
 
 def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny_frozenlake):
     out = tmp_path / "mech"
-    common = ["--out", str(out), "--policy", "tiny", "--tasks", "2", "--budget", "7"]
+    common = ["--out", str(out), "--tasks", "2", "--budget", "7", "--threads", "1"]
     common += ["--methods", "grpo", "patr", "--set", "env.max_turns=4", "--batch", "1"]
-    summary = bench.main([*common, "--temperatures", "1"])
+    summary = bench.main([*common, "--temperatures", "1", "--policy", "tiny"])
     mech = summary["mechanism"]["frozenlake"]
     assert set(mech) == {"grpo", "patr"} and summary["budget"] == {"frozenlake": 7}
     for m in mech.values():
@@ -78,12 +78,16 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
         assert 0.0 <= m["informative_share"][0] <= 1.0
     assert mech["grpo"]["base_success"] == mech["grpo"]["success_rate"]
     assert (out / "frozenlake_mechanism.png").stat().st_size > 0
-    first = (out / "frozenlake" / "patr" / "T1.json").read_text()
+    first = (out / "frozenlake" / "patr" / "tiny-T1.json").read_text()
     assert "2 runs to do" in capsys.readouterr().out
-    # a second call with one more level runs only that level's two methods
-    summary = bench.main([*common, "--temperatures", "1", "2"])
-    assert "2 runs to do" in capsys.readouterr().out
-    assert (out / "frozenlake" / "patr" / "T1.json").read_text() == first
+    # a second call with one more level (another policy: the same tiny weights by path) runs
+    # only that level's two methods
+    summary = bench.main([*common, "--temperatures", "1", "--policy", "tiny", str(tiny_frozenlake)])
+    log = capsys.readouterr().out
+    assert "tiny: 0 runs to do" in log and f"{tiny_frozenlake}: 2 runs to do" in log
+    assert (out / "frozenlake" / "patr" / "tiny-T1.json").read_text() == first
     levels = summary["levels"]["frozenlake"]
-    assert sorted(lv["temperature"] for lv in levels) == [1.0, 2.0]
+    assert sorted((lv["policy"], lv["temperature"]) for lv in levels) == sorted(
+        [("tiny", 1.0), (tiny_frozenlake.name, 1.0)]
+    )
     assert json.loads((out / "summary.json").read_text()) == summary

@@ -38,7 +38,9 @@ class TurnConfig(ControllerConfig):
     """Exact env steps per task (`rollout.env_step_budget=N`): every controller draws until N
     steps of the task are spent, never more, so methods compare at equal env steps. Branches
     still live when it runs out end with reason `budget` and stay out of the group; each
-    controller's docstring says how it spends it. 0 or null: off (the controller's own sizes)."""
+    controller's docstring says how it spends it. Give it a few episodes' worth: branches that
+    run side by side (PATR's B0) and all outlive it leave an empty group. 0 or null: off (the
+    controller's own sizes)."""
 
 
 @dataclass
