@@ -156,8 +156,7 @@ class TrainConfig(_Section):
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
     trajectory, or auto: whichever `agentree.algorithms.packing.layout_cost` estimates cheaper per
     batch."""
-    save_every: int = Field(50,
-    ge=0)
+    save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Most recent checkpoints kept on disk."""
@@ -319,7 +318,13 @@ def read_config_file(name_or_path: str) -> dict[str, Any]:
                 f"{', '.join(available_configs())} (or pass a YAML file)"
             )
         text = res.read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"config {name_or_path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {name_or_path} must be a YAML mapping")
     return data
