@@ -30,7 +30,6 @@ from agentree.models.sft import SFTConfig, load_examples, run_sft
 from agentree.models.warm import walker_baseline
 from agentree.policy import resolve_policy
 from agentree.rollout.base import action_format, describe_action_format
-from agentree.run.checkpoint import latest_checkpoint
 from agentree.run.evaluation import run_eval
 from agentree.run.outputs import claim, mark
 from agentree.run.plan import dry_run
@@ -229,12 +228,19 @@ def train_entry(cfg: Any, resume: bool) -> int:
         f"-> {run_dir}"
     )
     trainer = Trainer(cfg, run_dir, log=console.print)
-    if rank == 0:  # the policy, tasks and env are loaded: the inputs are valid
-        _write_config(cfg, run_dir, "train")
     try:
+        if rank == 0:  # the policy, tasks and env are loaded: the inputs are valid
+            _write_config(cfg, run_dir, "train")
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
-        if resume and trainer.resume():
-            ckpt = latest_checkpoint(run_dir)
+        ckpt = trainer.resume() if resume else None
+        if ckpt is not None and trainer.complete:
+            console.print(
+                f"{run_dir} is already complete: {trainer.step} of {cfg.train.steps} steps "
+                f"trained and evaluated (checkpoint {ckpt.name}); nothing to do. Pass --steps N "
+                "to train further"
+            )
+            return 0
+        if ckpt is not None:
             console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
         elif resume:
             console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
