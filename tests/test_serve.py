@@ -370,3 +370,14 @@ def test_serve_resolves_tiny_warm_as_train_does() -> None:
         assert r.usage.completion_tokens >= 1
     finally:
         handle.close()
+
+
+def test_without_the_serve_extra_is_one_clear_error(monkeypatch, capsys) -> None:
+    from agentree.commands.serve import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without the extra has
+    assert main(["--policy", "tiny", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "agentree serve: error: agentree serve needs FastAPI and uvicorn (uvicorn is missing): "
+        "pip install 'agentree[serve]'"
+    )

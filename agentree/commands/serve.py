@@ -122,6 +122,21 @@ class ServerHandle:
         self.close()
 
 
+def require_serve_extra() -> None:
+    """Raise one clear ImportError unless FastAPI and uvicorn (the `serve` extra) import."""
+    try:
+        # deferred: the optional `serve` extra, needed only once a server starts
+        import fastapi  # noqa: F401
+
+        # deferred: the optional `serve` extra too
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"agentree serve needs FastAPI and uvicorn ({e.name} is missing): pip install "
+            "'agentree[serve]'"
+        ) from None
+
+
 # -- assembly --------------------------------------------------------------------------------------
 def start_server(
     policy: str,
@@ -146,6 +161,7 @@ def start_server(
 
     `policy` is resolved as `agentree train` resolves `--policy` (with `env` and `config`
     choosing the env a `tiny`/`tiny-warm` policy is built for)."""
+    require_serve_extra()  # before a model is loaded
     cfg = load_config(config, select={"policy": policy, "env": env})
     path = resolve_policy(cfg, log_fn)
     engine, tokenizer = build_serving_engine(
@@ -275,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_arguments(parser)
     try:
         return run_serve_command(parser.parse_args(argv))
-    except (ValueError, OSError) as e:  # a bad policy path, a port in use: one clear line
+    except (ValueError, OSError, ImportError) as e:  # a bad policy, a port in use: one line
         print(f"agentree serve: error: {e}", file=sys.stderr)
         return 2
 
