@@ -8,7 +8,8 @@ excluded from the text, as in the OpenAI API), `stop_token_ids`, `seed` and `log
 of the temperature-scaled sampling distribution (the engine contract). Options the engine
 cannot honour (streaming, echo, penalties, logit bias) are rejected with a 400, not ignored.
 
-Transport: FastAPI on uvicorn (the `serve` extra). Requests are pydantic models: a body that
+Transport: FastAPI on uvicorn (the `serve` extra; the routes are `serve_http`, the request
+models, batcher and response builders the transport-free `serve_api`). Requests are pydantic models: a body that
 is not a JSON object is a 400, a field of the wrong type or range (a role other than system,
 user, assistant, tool or developer) a 422, a body over `max_body_bytes` a 413, a GET on a
 POST route a 405; every error is OpenAI-style JSON. Handlers are coroutines waiting on the
