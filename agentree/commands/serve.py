@@ -9,11 +9,12 @@ of the temperature-scaled sampling distribution (the engine contract). Options t
 cannot honour (streaming, echo, penalties, logit bias) are rejected with a 400, not ignored.
 
 Transport: FastAPI on uvicorn (the `serve` extra; the routes are `serve_http`, the request
-models, batcher and response builders the transport-free `serve_api`). Requests are pydantic models: a body that
-is not a JSON object is a 400, a field of the wrong type or range (a role other than system,
-user, assistant, tool or developer) a 422, a body over `max_body_bytes` a 413, a GET on a
-POST route a 405; every error is OpenAI-style JSON. Handlers are coroutines waiting on the
-batcher, so concurrent requests cost no thread each and all join the engine's queue.
+models, batcher and response builders the transport-free `serve_api`). Requests are pydantic
+models: a body that is not a JSON object is a 400, a field of the wrong type or range (a role
+other than system, user, assistant, tool or developer) a 422, a body over `max_body_bytes` a
+413, a GET on a POST route a 405; every error is OpenAI-style JSON. Handlers are coroutines
+waiting on the batcher, so concurrent requests cost no thread each and all join the engine's
+queue.
 
 Concurrent requests are gathered into one engine call when their sampling settings match
 (requests with a `seed` run alone so their draws are repeatable), so many small judge calls
