@@ -324,7 +324,13 @@ def read_config_file(name_or_path: str) -> dict[str, Any]:
                 f"{', '.join(available_configs())} (or pass a YAML file)"
             )
         text = res.read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"config {name_or_path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {name_or_path} must be a YAML mapping")
     return data

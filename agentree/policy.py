@@ -5,7 +5,6 @@
   `tiny-warm` are built locally on first use and cached).
 - `build_engine`: the training side's (engine, trainable model, tokenizer); the transformers
   engine samples from the very model the learner trains.
-- `build_serving_engine`: (engine, tokenizer) for `agentree serve`, where nothing trains.
 """
 
 from __future__ import annotations
@@ -132,32 +131,6 @@ def resolve_backend(backend: str) -> str:
     if backend != "auto":
         return backend
     return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-
-
-def build_serving_engine(
-    path: str,
-    backend: str = "auto",
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    seed: int = 0,
-    vllm_kwargs: dict[str, Any] | None = None,
-) -> tuple[Engine, Any]:
-    """(engine, tokenizer) for `agentree serve`: `build_engine` without a trainable copy.
-
-    `vllm_kwargs` go to `vllm.LLM` (e.g. gpu_memory_utilization, max_model_len).
-    """
-    if backend not in ("auto", "transformers", "vllm"):
-        raise ValueError(f"unknown serving backend {backend!r}; use transformers or vllm")
-    cfg = ExperimentConfig.model_validate(
-        {
-            "seed": seed,
-            "policy": {"path": path, "dtype": dtype, "device": device},
-            "engine": {"backend": backend, "vllm": vllm_kwargs or {}},
-        }
-    )
-    engine, _model, tokenizer = build_engine(cfg, path, trainable=False)
-    return engine, tokenizer
 
 
 def _vllm_engine(path: str, tokenizer: Any, seed: int, kwargs: dict[str, Any]) -> Engine:

@@ -237,10 +237,12 @@ def test_trim_metrics_keeps_rows_up_to_the_checkpoint(tmp_path):
 
 
 def _saved_run(tmp_path: Path) -> Path:
+    """A run directory as `agentree train` starts it: its marker and its config."""
     from agentree.config import load_config
+    from agentree.run.outputs import mark
 
     run = tmp_path / "run"
-    run.mkdir()
+    mark(run, "train")
     (run / "config.yaml").write_text(load_config(overrides=["train.steps=6"]).to_yaml())
     return run
 

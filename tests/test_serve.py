@@ -7,19 +7,24 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 from helpers import interruptible
 
 from agentree.commands.serve import Batcher, add_serve_command, start_server
+from agentree.config import load_config
 from agentree.engines.base import SamplingParams
+from agentree.policy import resolve_policy
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +175,41 @@ def test_errors_are_openai_errors(client, server) -> None:
     bad_n = json.dumps({"prompt": "P _ G", "n": 1.5}).encode()
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(server.url + "/completions", data=bad_n))
-    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "n"
+    assert e.value.code == 422 and json.loads(e.value.read())["error"]["param"] == "n"
+
+
+def raw_status(server, head: bytes, body: bytes = b"") -> int:
+    """The status line's code for a hand-written request (headers a client library would fix)."""
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(head + b"\r\n\r\n" + body)
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_bad_requests_get_4xx_and_the_server_stays_up(server) -> None:
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    for length, code in ((b"-1", 400), (b"abc", 400), (b"100000000000", 413)):
+        assert raw_status(server, post + b"\r\nContent-Length: " + length, b"{}") == code
+    # a chunked body is counted as it arrives
+    big = b"x" * (server.max_body_bytes + 1)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+    assert raw_status(server, post + b"\r\nTransfer-Encoding: chunked", chunked) == 413
+    wizard = {"messages": [{"role": "wizard", "content": "hi"}]}
+    req = urllib.request.Request(server.url + "/chat/completions", data=json.dumps(wizard).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 422 and error["param"] == "messages" and "role" in error["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:  # GET on a POST route
+        urllib.request.urlopen(server.url + "/chat/completions")
+    assert e.value.code == 405 and e.value.headers["Allow"] == "POST"
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
 
 
 def test_concurrent_requests_share_engine_calls(server) -> None:
@@ -264,11 +303,82 @@ def test_serve_cli_process() -> None:
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path, capsys) -> None:
     from agentree.commands.serve import main
-    from agentree.policy import build_serving_engine
+    from agentree.config import load_config
+    from agentree.policy import build_engine
 
     with pytest.raises(ValueError, match="does not exist"):
-        build_serving_engine(str(tmp_path / "nope"))
+        build_engine(load_config(None), str(tmp_path / "nope"), trainable=False)
     assert main(["--policy", str(tmp_path / "nope"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="unknown serving backend"):
-        build_serving_engine(str(tmp_path), "tgi")
+    with pytest.raises(ValueError, match=r"engine\.backend"):
+        load_config(None, overrides=["engine.backend=tgi"])
+
+
+def test_live_server_holds_64_concurrent_requests_and_stops_on_sigterm() -> None:
+    """`agentree serve` as a user starts it: 64 clients at once are all answered, the server is
+    healthy after, and SIGTERM stops it gracefully (the engine closed, exit status 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentree", "serve", "--policy", "tiny", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    try:
+        url = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("agentree serve: tiny on "):
+                url = line.split(" on ")[1].split()[0]
+                break
+        assert url is not None, "server did not report its address"
+
+        def ask(i: int) -> int:
+            body = {"messages": [{"role": "user", "content": f"move {i}"}], "max_tokens": 4}
+            req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode())
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())["usage"]["completion_tokens"]
+
+        with ThreadPoolExecutor(64) as pool:
+            answered = list(pool.map(ask, range(64)))
+        assert len(answered) == 64 and all(1 <= n <= 4 for n in answered)
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert json.loads(r.read()) == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        rest = proc.stdout.read()  # type: ignore[union-attr]
+        assert "stopped; engine closed" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_serve_resolves_tiny_warm_as_train_does() -> None:
+    """`--policy tiny-warm` is the warm-started policy `agentree train` uses, not a hub id."""
+    cfg = load_config(None, select={"policy": "tiny-warm"})
+    warm = resolve_policy(cfg, lambda m: None)
+    assert Path(warm).parent.name == "tiny-warm"
+    handle = start_server("tiny-warm", backend="transformers", log_fn=lambda m: None)
+    try:
+        assert warm in handle.api.names
+        assert handle.api.engine.model.name_or_path == warm
+        c = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(
+            model="tiny-warm", messages=[{"role": "user", "content": "P _ G"}], max_tokens=4
+        )
+        c.close()
+        assert r.usage.completion_tokens >= 1
+    finally:
+        handle.close()
+
+
+def test_without_the_serve_extra_is_one_clear_error(monkeypatch, capsys) -> None:
+    from agentree.commands.serve import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without the extra has
+    assert main(["--policy", "tiny", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "agentree serve: error: agentree serve needs FastAPI and uvicorn (uvicorn is missing): "
+        "pip install 'agentree[serve]'"
+    )

@@ -29,8 +29,8 @@ from agentree.models.sft import SFTConfig, load_examples, run_sft
 from agentree.models.warm import walker_baseline
 from agentree.policy import resolve_policy
 from agentree.rollout.base import action_format, describe_action_format
-from agentree.run.checkpoint import latest_checkpoint
 from agentree.run.evaluation import run_eval
+from agentree.run.outputs import claim, mark
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
 from agentree.run.runtime import Runtime
@@ -159,8 +159,9 @@ def _run_dir(cfg, default_kind: str) -> Path:
     return Path("runs") / f"{stamp}-{cfg.env['name'].split(':')[-1]}-{default_kind}"
 
 
-def _write_config(cfg, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+def _write_config(cfg, run_dir: Path, command: str) -> None:
+    """The first files of an output directory, once its inputs are validated."""
+    mark(run_dir, command)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
 
@@ -173,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.output:
             raise ValueError("--resume needs --output DIR of the run to continue")
+        claim(Path(args.output), "train", resume=True)
         select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy", "tasks")}
         cfg = resume_config(
             Path(args.output),
@@ -191,10 +193,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("under torchrun pass --output DIR: every rank must use one run directory")
     run_dir = _run_dir(cfg, cfg.rollout["name"])
     cfg.output = str(run_dir)
-    if not args.resume and (run_dir / "checkpoints").exists() and rank == 0:
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it")
     if rank == 0:
-        _write_config(cfg, run_dir)
+        claim(run_dir, "train", resume=args.resume)
     if cfg.train.world_size > 1 and "RANK" not in os.environ:
         if cfg.distributed.backend == "ray":
             codes = launch_on_ray(cfg, train_rank, (cfg, args.resume, os.getcwd()))
@@ -229,9 +229,18 @@ def train_entry(cfg: Any, resume: bool) -> int:
     )
     trainer = Trainer(cfg, run_dir, log=console.print)
     try:
+        if rank == 0:  # the policy, tasks and env are loaded: the inputs are valid
+            _write_config(cfg, run_dir, "train")
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
-        if resume and trainer.resume():
-            ckpt = latest_checkpoint(run_dir)
+        ckpt = trainer.resume() if resume else None
+        if ckpt is not None and trainer.complete:
+            console.print(
+                f"{run_dir} is already complete: {trainer.step} of {cfg.train.steps} steps "
+                f"trained and evaluated (checkpoint {ckpt.name}); nothing to do. Pass --steps N "
+                "to train further"
+            )
+            return 0
+        if ckpt is not None:
             console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
         elif resume:
             console.print(f"nothing to resume in {run_dir} (no checkpoint yet): starting at step 0")
@@ -318,7 +327,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     console = _console()
     cfg = _load(args)
     run_dir = Path(args.output)
-    _write_config(cfg, run_dir)
+    claim(run_dir, "rollout")
     rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
     try:
         tasks = rt.tasks["train"]
@@ -334,6 +343,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     finally:
         rt.close()
 
+    _write_config(cfg, run_dir, "rollout")
     save_trees(trees, run_dir / "trees")
     wins = n = 0
     for tree in trees:

@@ -91,8 +91,13 @@ def plot_runs(runs: Sequence[str], output: str | Path, *, smooth: int = 1) -> di
     """
     if not runs:
         raise ValueError("agentree plot needs at least one run directory")
-    # deferred: matplotlib is the optional [view] extra
-    import matplotlib
+    try:
+        # deferred: matplotlib is the optional [view] extra
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "agentree plot needs matplotlib, which is not installed; pip install 'agentree[view]'"
+        ) from None
 
     matplotlib.use("Agg")
     # deferred: the [view] extra too, and pyplot is imported once the backend is chosen

@@ -185,7 +185,7 @@ class Env(gymnasium.Env):
         """Representative text (observations and actions) for training a tiny tokenizer."""
         texts = [self.system_prompt or ""]
         for task in tasks:
-            obs, _ = self.reset(seed=task.seed, options=task.options)
+            obs, _ = reset_task(self, task)
             texts.append(obs)
             for a in self.example_actions():
                 texts.append(a)
@@ -197,14 +197,26 @@ class Env(gymnasium.Env):
 
 
 def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
-    """`env.reset` for `task`; whatever goes wrong becomes one `ValueError` naming the task."""
+    """`env.reset` for `task`; whatever goes wrong, a reset that raises or one that breaks the
+    contract (not a `(str, dict)` pair), becomes one `ValueError` naming the task."""
     try:
-        return env.reset(seed=task.seed, options=task.options)
+        out = env.reset(seed=task.seed, options=task.options)
     except Exception as e:
         raise ValueError(
             f"task {task.id} ({_preview(task.to_dict())}) could not be reset: "
             f"{type(e).__name__}: {e}"
         ) from e
+    problems: list[str] = []
+    if isinstance(out, tuple) and len(out) == 2:
+        _check_reset(*out, problems)
+    else:
+        problems.append(f"reset() must return (observation, info), got {_preview(out, 60)}")
+    if problems:
+        raise ValueError(
+            f"{type(env).__name__}.{problems[0]} (task {task.id}); check_env(env) checks the "
+            "whole env contract"
+        )
+    return out
 
 
 ScriptedPolicy = Callable[[Task, list[tuple[str, str]]], str]

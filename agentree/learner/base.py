@@ -89,18 +89,25 @@ class Learner:
         raise NotImplementedError
 
     # -- checkpoints: one format for every learner --------------------------------------------
-    def _dcp_state(self) -> tuple[dict[str, Any], StateDictOptions]:
+    def _dcp_state(self, optim: bool = True) -> tuple[dict[str, Any], StateDictOptions]:
         # with LoRA only the adapters are saved; the frozen base comes from the policy path
         opts = StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
-        msd, osd = get_state_dict(self.model, self.opt, options=opts)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
+        if optim:
+            msd, osd = get_state_dict(self.model, self.opt, options=opts)
+            state: dict[str, Any] = {"model": msd, "optim": osd}
+        else:
+            state = {"model": get_model_state_dict(self.model, options=opts)}
         if self.ref is not None and not self.lora:
             state["ref"] = get_model_state_dict(self.ref)
         return state, opts
 
     def save(self, tmp: Path) -> None:
         """This rank's part of the checkpoint in `tmp` (every rank calls it)."""
-        state, _ = self._dcp_state()
+        # An optimiser that has not stepped yet (a checkpoint at step 0) is saved as absent:
+        # `get_state_dict` would initialise it with a zero-gradient step, and a run resumed
+        # from it would count its first real step as the second (Adam's bias correction),
+        # unlike the uninterrupted run.
+        state, _ = self._dcp_state(optim=bool(self.opt.state))
         with _one_process_ok():
             dcp.save(state, checkpoint_id=tmp / "dcp", no_dist=not dist.is_initialized())
         if self.rank == 0:
@@ -113,13 +120,18 @@ class Learner:
                 f"{ckpt} has no dcp/ directory: it was written by an older agentree; start a new "
                 "run, or load its weights with --policy " + str(ckpt)
             )
-        state, opts = self._dcp_state()
+        saved = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
+        optim = any(k.startswith("optim.") for k in saved)
+        state, opts = self._dcp_state(optim=optim)
         with _one_process_ok():
             dcp.load(state, checkpoint_id=ckpt / "dcp", no_dist=not dist.is_initialized())
-        set_state_dict(
-            self.model, self.opt, model_state_dict=state["model"],
-            optim_state_dict=state["optim"], options=opts,
-        )  # fmt: skip
+        if optim:
+            set_state_dict(
+                self.model, self.opt, model_state_dict=state["model"],
+                optim_state_dict=state["optim"], options=opts,
+            )  # fmt: skip
+        else:  # saved before the first step: the optimiser stays as fresh as it was
+            set_model_state_dict(self.model, state["model"], options=opts)
         if "ref" in state:
             set_model_state_dict(self.ref, state["ref"])
 

@@ -25,6 +25,7 @@ from typing import Any
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
+from agentree.run.outputs import claim, mark
 from agentree.run.runtime import Runtime
 from agentree.tree import EndReason, Tree, save_trees
 
@@ -65,12 +66,21 @@ def run_eval(
     log: Callable[[str], None] = print,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    """Evaluate `cfg`'s policy and write `out_dir` (`eval.json`, `config.yaml`, `trees/`). The
+    directory is claimed first (never a training run or a folder agentree did not write) and
+    written only once the evaluation is done."""
+    claim(out_dir, "eval")
+    if samples < 1:
+        raise ValueError(f"--samples {samples}: pass at least 1 trajectory per task")
     env_name, env_kwargs = cfg.component("env")
     cls = env_class(env_name)
     spec = tasks if tasks is not None else cfg.eval.tasks
     task_list = cls.load_tasks(spec, seed=cfg.seed, split="eval")
+    if not task_list:
+        raise ValueError(
+            f"--tasks {spec} selects no tasks; pass a count of at least 1 or a task file with "
+            "at least one record"
+        )
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
     scripted = cls.scripted_policy(cfg.policy.path)
     t0 = time.perf_counter()
@@ -87,6 +97,8 @@ def run_eval(
         finally:
             rt.close()
     result = summarise(trees, cfg.policy.path, time.perf_counter() - t0)
+    mark(out_dir, "eval")
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
     _write(out_dir, trees, result)
     return result
 

@@ -98,6 +98,8 @@ class Trainer:
         self._eval_start: dict[str, Any] | None = None
         """The loop state before the held-out evaluation due after a step: what a checkpoint
         taken until it is written holds, marked so that the resumed run evaluates again."""
+        self._finished = False
+        """Restored from a checkpoint written after the run's final evaluation."""
         self._trained_s = 0.0
         """Seconds spent training so far (rollouts, updates, checkpoints; not evaluation)."""
         log_cfg = cfg.log if self.rank == 0 else LogConfig()  # one rank reports
@@ -136,7 +138,8 @@ class Trainer:
     def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict:
         tc = self.cfg.train
         history: dict[str, Any] = {}
-        if self.step == 0:
+        if self.step == 0:  # a stop during it checkpoints the state from before it, as below
+            self._eval_start = self._loop_state()
             history["eval_before"] = self.evaluate()
         elif self._eval_start is not None and self.step < tc.steps:  # cut before its evaluation
             self._evaluate_after_step()
@@ -170,7 +173,7 @@ class Trainer:
                 f"({self._trained_s / 60:.1f} min of training): stopping"
             )
         history["eval_after"] = self.evaluate()
-        self.save()
+        self.save(finished=True)
         self.tracker.close()
         return history
 
@@ -349,9 +352,10 @@ class Trainer:
     def save_trees(self, trees: list[Tree]) -> None:
         save_trees(trees, self.dir / "trees", prefix=f"step{self.step + 1:06d}_")
 
-    def save(self) -> Path:
+    def save(self, finished: bool = False) -> Path:
         """A checkpoint of this step (every rank takes part); the same format for every
-        learner, so any learner on any world size resumes it."""
+        learner, so any learner on any world size resumes it. `finished`: the run's last
+        checkpoint, after its final evaluation."""
         tmp = begin_checkpoint(self.dir, self.step) if self.rank == 0 else None
         tmp = Path(broadcast_object(str(tmp)))
         self.learner.save(tmp)
@@ -363,6 +367,7 @@ class Trainer:
                 "step": self.step,
                 **(self._step_start or self._eval_start or self._loop_state()),
                 "eval_due": self._eval_start is not None,
+                "finished": finished,
                 "policy": self.rt.policy_path,
                 "lora": lora.model_dump() if lora.r else None,
             }
@@ -381,6 +386,7 @@ class Trainer:
         if self.rt is not None and "rollouts" in state:  # absent in older checkpoints
             self.rt.rollouts.load_state(state["rollouts"])
         self._eval_start = self._loop_state() if state.get("eval_due") else None
+        self._finished = bool(state.get("finished"))
 
     def _loop_state(self) -> dict[str, Any]:
         return {
@@ -392,21 +398,27 @@ class Trainer:
             **({"rollouts": self.rt.rollouts.state()} if self.rt is not None else {}),
         }
 
-    def resume(self) -> bool:
-        """Load the latest checkpoint of the run directory (written by any learner on any
-        world size), if any, and drop the metrics rows written after it (all of them when
-        there is none: the run starts over)."""
-        ckpt = latest_checkpoint(self.dir)
+    @property
+    def complete(self) -> bool:
+        """Resumed from the final checkpoint of a run that trained all its steps."""
+        return self._finished and self.step >= self.cfg.train.steps
+
+    def resume(self) -> Path | None:
+        """Load the newest complete checkpoint of the run directory (written by any learner on
+        any world size; an incomplete one is skipped, with a line saying why), if any, and
+        drop the metrics rows written after it (all of them when there is none: the run
+        starts over). Returns the checkpoint loaded."""
+        ckpt = latest_checkpoint(self.dir, log=self.log)
         if ckpt is None:
             if self.rank == 0:
                 trim_metrics(self.dir / "metrics.jsonl", None)
-            return False
+            return None
         self.learner.load(ckpt)
         self._restore_loop_state(torch.load(ckpt / "trainer_state.pt", weights_only=False))
         self.publish()
         if self.rank == 0:
             trim_metrics(self.dir / "metrics.jsonl", self.step)
-        return True
+        return ckpt
 
     def close(self) -> None:
         self.tracker.close()

@@ -38,6 +38,12 @@ def tree_files(run_dir: Path) -> list[Path]:
     if run_dir.is_file():
         return [run_dir]
     folder = run_dir / "trees" if (run_dir / "trees").is_dir() else run_dir
+    if folder == run_dir and (run_dir / "config.yaml").exists():
+        # a run directory whose JSON files (summary.json, eval.json) are not trees
+        raise FileNotFoundError(
+            f"{run_dir} has no trees/ folder, so there are no trees to view; a training run "
+            "saves them every train.trees_every steps (set it above 0)"
+        )
     files = sorted(p for p in folder.glob("*.json") if p.name != "eval.json")
     if not files:
         raise FileNotFoundError(

@@ -1,0 +1,411 @@
+"""The OpenAI API over a policy engine, free of any transport: pydantic request models, the
+`Batcher` that merges concurrent requests into engine calls, and `OpenAIServer`, which maps a
+request onto `SamplingParams` and builds the OpenAI response. `agentree serve` puts it on HTTP
+(`agentree.commands.serve_http`, run by `agentree.commands.serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentree.engines.base import Completion, Engine, SamplingParams
+
+MAX_BODY_BYTES = 8 << 20
+"""Largest request body accepted (8 MiB holds a 100k-token prompt sent as token ids)."""
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI-style JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+# -- requests ------------------------------------------------------------------------------------
+# Strict: a bool is not an int, "1" is not a number (an int is still a float). Unknown fields
+# are ignored, as OpenAI clients send some (user, metadata) that change nothing here.
+_STRICT = ConfigDict(strict=True, extra="ignore")
+_TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content list; only text parts carry content here."""
+
+    model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message; its content is text, text parts (joined), or absent (empty)."""
+
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share: model, sampling settings, unsupported options."""
+
+    model_config = _STRICT
+    model: str | None = None
+    stream: bool | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    """-1 or 0 disables top-k (vLLM's and the engine's conventions)."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`: `prompt` is a string, strings, token ids, or lists of ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: _TopLogprobs | None = None
+
+
+class ChatRequest(SamplingRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: _TopLogprobs | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: Future
+
+
+class Batcher:
+    """Runs engine calls on one worker thread, merging concurrent requests with equal params."""
+
+    def __init__(self, engine: Engine, max_batch: int = 64) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
+        self._thread.start()
+        self.calls = 0
+        """Engine calls made (fewer than requests when requests were merged)."""
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Future:
+        """Queue a request; the future holds one list of completions per prompt."""
+        fut: Future = Future()
+        self._queue.put(_Job(prompts, params, fut))
+        return fut
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.submit(prompts, params).result()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs, stop = [job], False
+            while len(jobs) < self.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                jobs.append(nxt)
+            groups: dict[Any, list[_Job]] = {}
+            for j in jobs:
+                key = j.params if j.params.seed is None else id(j)
+                groups.setdefault(key, []).append(j)
+            for group in groups.values():
+                self._call(group)
+            if stop:
+                return
+
+    def _call(self, group: list[_Job]) -> None:
+        prompts = [p for j in group for p in j.prompts]
+        try:
+            self.calls += 1
+            outs = self.engine.generate(prompts, group[0].params)
+        except Exception as e:
+            for j in group:
+                j.future.set_exception(e)
+            return
+        k = 0
+        for j in group:
+            j.future.set_result(outs[k : k + len(j.prompts)])
+            k += len(j.prompts)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class OpenAIServer:
+    """The OpenAI API semantics over an engine and its tokenizer (transport-free)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_name: str,
+        *,
+        default_max_tokens: int = 256,
+        max_batch: int = 64,
+        aliases: Sequence[str] = (),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.names = {model_name, *aliases}
+        self.default_max_tokens = default_max_tokens
+        self.batcher = Batcher(engine, max_batch)
+        self.created = int(time.time())
+
+    # -- endpoints -------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "agentree",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        self._check_common(req)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = self._prompt_ids(req.prompt)
+        params = self._sampling(req, prompts, req.max_tokens or 16, top=req.logprobs or 0)
+        outs = await asyncio.wrap_future(self.batcher.submit(prompts, params))
+        choices = []
+        for comps in outs:
+            for c in comps:
+                text, ids, finish, k = self._finish(c, params)
+                choice: dict[str, Any] = {
+                    "index": len(choices),
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                if req.logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(c, k)
+                choice["_tokens"] = len(ids)
+                choices.append(choice)
+        return self._response("text_completion", "cmpl", choices, prompts)
+
+    async def chat(self, req: ChatRequest) -> dict[str, Any]:
+        self._check_common(req)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        prompts = [list(self.tokenizer.encode(text, add_special_tokens=False))]
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        room = self.engine.max_model_len - len(prompts[0])
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self._sampling(
+            req, prompts, max_tokens or max(1, min(self.default_max_tokens, room)), top
+        )
+        comps = (await asyncio.wrap_future(self.batcher.submit(prompts, params)))[0]
+        choices = []
+        for c in comps:
+            text, ids, finish, k = self._finish(c, params)
+            choice: dict[str, Any] = {
+                "index": len(choices),
+                "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": self._chat_logprobs(c, k)} if req.logprobs else None,
+                "finish_reason": finish,
+                "_tokens": len(ids),
+            }
+            choices.append(choice)
+        return self._response("chat.completion", "chatcmpl", choices, prompts)
+
+    # -- request mapping -------------------------------------------------------------------------
+    def _check_common(self, req: SamplingRequest) -> None:
+        """What a well-typed request may still ask that this server cannot do."""
+        if req.model is not None and req.model not in self.names:
+            raise APIError(
+                404, f"The model `{req.model}` does not exist.", "NotFoundError", "model"
+            )
+        if req.stream:
+            raise APIError(400, "streaming is not supported; send stream=false", param="stream")
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported", param=name)
+
+    def _prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            out = [list(self.tokenizer.encode(prompt))]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            out = [list(self.tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            out = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            out = [list(p) for p in prompt]  # type: ignore[arg-type]
+        if not out or any(not p for p in out):
+            raise APIError(400, "prompt is empty", param="prompt")
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for p in out for t in p):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        return out
+
+    def _sampling(
+        self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int, top: int
+    ) -> SamplingParams:
+        longest = max(len(p) for p in prompts)
+        limit = self.engine.max_model_len
+        if longest + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {longest + max_tokens} tokens ({longest} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the length of the prompt "
+                "or the completion.",
+                param="max_tokens",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0),
+            stop_token_ids=tuple(sorted(set(req.stop_token_ids or []))),
+            stop=tuple(stop),  # the engine stops as soon as one shows
+            n=req.n or 1,
+            logprobs=top,
+            seed=req.seed,
+        )
+
+    # -- response building -----------------------------------------------------------------------
+    def _finish(self, c: Completion, params: SamplingParams) -> tuple[str, list[int], str, int]:
+        """(text, token ids kept, finish reason, tokens with log-probs) of one completion.
+
+        A final stop/EOS token is dropped from the text (it is counted in usage); a stop
+        string cuts the text before it (the engine stopped on the token that completed it).
+        """
+        ids = list(c.token_ids)
+        finish = c.finish_reason
+        stop_ids = set(params.stop_token_ids) | set(self.engine.eos_token_ids)
+        body = ids[:-1] if finish == "stop" and ids and ids[-1] in stop_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        cut = [text.find(s) for s in params.stop if s in text]
+        if cut:
+            pos = min(cut)
+            k = next(
+                (k for k in range(1, len(body) + 1) if len(self._decode(body[:k])) > pos),
+                len(body),
+            )
+            return text[:pos], ids[:k], "stop", k
+        return text, ids, finish, len(ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _completion_logprobs(self, c: Completion, k: int) -> dict[str, Any]:
+        tokens = [self._decode([t]) for t in c.token_ids[:k]]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        tops = c.top_logprobs or [{}] * k
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(c.logprobs[:k]),
+            "top_logprobs": [{self._decode([i]): lp for i, lp in d.items()} for d in tops[:k]],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, c: Completion, k: int) -> list[dict[str, Any]]:
+        tops = c.top_logprobs or [{}] * k
+        out = []
+        for t, lp, top in zip(c.token_ids[:k], c.logprobs[:k], tops[:k], strict=True):
+            s = self._decode([t])
+            out.append(
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self._decode([i]),
+                            "logprob": v,
+                            "bytes": list(self._decode([i]).encode()),
+                        }
+                        for i, v in top.items()
+                    ],
+                }
+            )
+        return out
+
+    def _response(
+        self, obj: str, prefix: str, choices: list[dict[str, Any]], prompts: list[list[int]]
+    ) -> dict[str, Any]:
+        completion = sum(c.pop("_tokens") for c in choices)
+        prompt = sum(len(p) for p in prompts)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            },
+        }
+
+    def close(self) -> None:
+        self.batcher.close()
