@@ -311,6 +311,7 @@ ENVS: Registry[type[Env]] = Registry(
         "countdown": "agentree.envs.countdown:CountdownEnv",
         "math": "agentree.envs.math:MathEnv",
         "sokoban": "agentree.envs.sokoban:SokobanEnv",
+        "babyai": "agentree.envs.babyai:BabyAIEnv",
     },
 )
 
