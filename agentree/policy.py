@@ -17,9 +17,10 @@ from typing import Any
 
 from agentree.config import EngineConfig, ExperimentConfig
 from agentree.engines.base import Engine
+from agentree.envs.base import env_class, has_expert
 from agentree.hub.pretrained import local_policy
 from agentree.hub.tiny import tiny_policy_for_env
-from agentree.models.warm import WARM_ENVS, warm_policy_for_env
+from agentree.models.warm import warm_policy_for_env
 
 BUILT_POLICIES = ("tiny", "tiny-warm", "warm")
 """`policy.path` names agentree builds itself (cached); any other value is a checkpoint."""
@@ -49,13 +50,13 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
             f"{warm.base}; set policy.path: warm to fine-tune {warm.base}"
         )
     t0 = time.perf_counter()
-    if path != "tiny" and env_name not in WARM_ENVS:
+    if path != "tiny" and not has_expert(env_class(env_name)):
         # the default config's policy meets a user env: there is no scripted expert to warm
         # it up with, so start from the untrained base and say so
         start = "the tiny policy" if warm.base == "tiny" else warm.base
         log(
-            f"{path} has a scripted expert for {', '.join(WARM_ENVS)} only; {env_name} starts "
-            f"from {start} (fine-tune one with agentree sft and pass --policy DIR)"
+            f"{env_name} has no scripted expert for {path}, so it starts from {start} "
+            "(fine-tune one with agentree sft and pass --policy DIR)"
         )
         if warm.base != "tiny":
             return local_policy(warm.base, log)

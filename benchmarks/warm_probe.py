@@ -152,7 +152,7 @@ def sampled_success(args, model, chat, env, tasks, prompt) -> float:
     """Held-out success sampling the four moves at temperature 1, 64 maps."""
     import torch
 
-    from agentree.models.warm import MOVES
+    from agentree.envs.frozenlake import MOVES
 
     move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
     gen = torch.Generator().manual_seed(0)

@@ -114,16 +114,11 @@ def test_sokoban_scorer_is_one_minus_pushes_left_over_pushes_at_start():
 
 
 def test_scripted_expert_and_walker_bracket_the_task():
-    from agentree.models.warm import (
-        WarmConfig,
-        demonstrations,
-        single_turns,
-        sokoban_walker_success,
-    )
+    from agentree.models.warm import WarmConfig, demonstrations, single_turns, walker_success
 
     tasks = SokobanEnv.load_tasks(16, split="eval")
-    expert = sokoban_walker_success({}, tasks, samples=2, expert_prob=1.0)
-    walker = sokoban_walker_success({}, tasks, samples=8, expert_prob=0.0)
+    expert = walker_success("sokoban", {}, tasks, samples=2, expert_prob=1.0)
+    walker = walker_success("sokoban", {}, tasks, samples=8, expert_prob=0.0)
     assert expert == 1.0 and 0.0 < walker < 0.6
     convs = demonstrations("sokoban", {}, WarmConfig(episodes=3, expert_prob=1.0))
     assert len(convs) == 3

@@ -8,17 +8,22 @@ import random
 import pytest
 
 from agentree.config import load_config
+from agentree.envs import Env, has_expert
 from agentree.envs.countdown import CountdownEnv
-from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal, shortest_path
-from agentree.models.warm import (
-    countdown_response,
-    scripted_move,
-    valid_moves,
-    walker_success,
-)
+from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal, shortest_path, valid_moves
+from agentree.models.warm import scripted_action, walker_success
 
 MAP = ["SFFF", "FHFH", "FFFH", "HFFG"]
 _DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+
+
+def lake_at(cell: tuple[int, int]) -> FrozenLakeEnv:
+    """The env on MAP with the player on `cell` (set through a snapshot, as a fork would)."""
+    env = FrozenLakeEnv()
+    env.reset(seed=0, options={"desc": MAP})
+    state = env.snapshot()
+    env.restore({**state, "s": cell[0] * len(MAP[0]) + cell[1]})
+    return env
 
 
 def test_expert_moves_along_a_shortest_path() -> None:
@@ -28,23 +33,49 @@ def test_expert_moves_along_a_shortest_path() -> None:
     for cell, d in dist.items():
         if d == 0:
             continue
-        move = scripted_move(MAP, cell, 1.0, rng)
+        move = scripted_action(lake_at(cell), 1.0, rng).strip("`")
         dr, dc = _DELTA[move]
         assert dist.get((cell[0] + dr, cell[1] + dc)) == d - 1
+    # equally short moves: the expert prefers Down, then Right (a function of the state)
+    assert lake_at((0, 0)).best_actions() == ["```Down```", "```Right```"]
+    assert lake_at((0, 0)).expert_action() == "```Down```"
 
 
 def test_walker_moves_stay_on_the_map_and_cover_every_valid_move() -> None:
     rng = random.Random(0)
     assert valid_moves(MAP, (0, 0)) == ["Down", "Right"]
-    seen = {scripted_move(MAP, (0, 0), 0.0, rng) for _ in range(200)}
-    assert seen == {"Down", "Right"}
+    env = lake_at((0, 0))
+    seen = {scripted_action(env, 0.0, rng) for _ in range(200)}
+    assert seen == {"```Down```", "```Right```"}
+
+
+def test_noisy_expert_draws_once_then_takes_the_expert_or_the_walker() -> None:
+    """One uniform draw per turn, then the expert's move below `expert_prob`, else the
+    walker's draw from the same generator."""
+    env = lake_at((0, 0))
+    for seed in range(20):
+        mine, ref = random.Random(seed), random.Random(seed)
+        action = scripted_action(env, 0.4, mine)
+        expected = "```Down```" if ref.random() < 0.4 else f"```{ref.choice(['Down', 'Right'])}```"
+        assert action == expected and mine.random() == ref.random()
+
+
+def test_an_env_without_an_expert_says_so() -> None:
+    from agentree.hub.tiny import TinyModelConfig
+    from agentree.models.warm import WarmConfig, warm_policy_for_env
+
+    assert has_expert(FrozenLakeEnv) and has_expert(CountdownEnv)
+    assert not has_expert(Env)
+    with pytest.raises(ValueError, match="has no scripted expert") as err:
+        warm_policy_for_env("math", {}, TinyModelConfig(), WarmConfig(), log=lambda _: None)
+    assert "\n" not in str(err.value)
 
 
 def test_walker_success_brackets() -> None:
     tasks = FrozenLakeEnv.generate_tasks(24, seed=0, split="eval")
     kwargs = {"size": 4}
-    assert walker_success(kwargs, tasks, samples=2, expert_prob=1.0) == 1.0
-    walker = walker_success(kwargs, tasks, samples=8)
+    assert walker_success("frozenlake", kwargs, tasks, samples=2, expert_prob=1.0) == 1.0
+    walker = walker_success("frozenlake", kwargs, tasks, samples=8)
     assert 0.0 < walker < 0.6
 
 
@@ -52,11 +83,11 @@ def test_countdown_expert_is_correct_and_noise_is_in_format() -> None:
     env = CountdownEnv()
     rng = random.Random(0)
     for seed in range(8):
-        _, info = env.reset(seed=seed)
-        _, reward, *_ = env.step(countdown_response(info["nums"], info["target"], 1.0, rng))
+        env.reset(seed=seed)
+        _, reward, *_ = env.step(scripted_action(env, 1.0, rng))
         assert reward == 1.0
-        _, info = env.reset(seed=seed)
-        _, reward, *_ = env.step(countdown_response(info["nums"], info["target"], 0.0, rng))
+        env.reset(seed=seed)
+        _, reward, *_ = env.step(scripted_action(env, 0.0, rng))
         assert reward >= 0.1  # an answer in tags using every number once
 
 
@@ -120,7 +151,7 @@ def test_warm_policy_answers_in_format_and_is_mediocre(warm_runtime) -> None:
     valid = sum(bool(n.info.get("env", {}).get("valid")) for n in turns) / len(turns)
     assert valid >= 0.95
     tasks = rt.load_tasks(cfg.eval.tasks, split="eval")
-    expert = walker_success(rt.env_kwargs, tasks, samples=2, expert_prob=1.0)
+    expert = walker_success("frozenlake", rt.env_kwargs, tasks, samples=2, expert_prob=1.0)
     success = result["summary"]["success_rate"]
     assert success <= expert - 0.25, (success, expert)
 

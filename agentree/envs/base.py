@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,10 @@ EVAL_SEED_OFFSET = 1_000_000_000
 
 class ForkNotSupported(NotImplementedError):
     """Raised by `snapshot`/`restore` on an env that cannot be forked mid-episode."""
+
+
+class NoExpert(NotImplementedError):
+    """Raised by `expert_action`/`random_action` on an env without a scripted expert."""
 
 
 class EnvCheckError(AssertionError):
@@ -67,6 +72,14 @@ class Env(gymnasium.Env):
     predictions.jsonl by `agentree eval`), `format_error` (True when the action could not be
     parsed into a well-formed action, False when it could; summaries report the well-formed
     fraction and warn when it is zero).
+
+    Scripted play (optional): an env that implements `expert_action` and `random_action` has a
+    scripted expert and a walker. The noisy expert (`agentree.models.warm.scripted_action`)
+    plays `expert_action()` with probability `expert_prob`, else `random_action(rng)`; its
+    episodes warm-start a policy (`policy.path: tiny-warm`/`warm`), and at `expert_prob=0` it
+    is the walker whose success a learning curve is read against. Both read the env's current
+    state (after `reset`/`step`); `random_action` draws from `rng` alone, so a seeded run
+    replays the same demonstrations.
     """
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig
@@ -79,6 +92,15 @@ class Env(gymnasium.Env):
     """Strings that complete an action: the policy's turn ends as soon as it writes one."""
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    action_set: ClassVar[tuple[str, ...]] = ()
+    """Every action as the policy writes it, when the set is small and fixed (grid games);
+    empty for free-form actions. `first_move_skill` scores a policy's choice over it."""
+
+    expert_settings: ClassVar[tuple[str, ...] | None] = None
+    """The `Config` fields the expert's episodes and the prompts depend on: a warm build is
+    keyed on (and built with) these alone, so a run that changes another (a turn limit, a
+    reward level) reuses it. None: every field."""
 
     # -- forking ----------------------------------------------------------------------------
     def snapshot(self) -> Any:
@@ -171,6 +193,29 @@ class Env(gymnasium.Env):
         """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None."""
         return None
 
+    # -- scripted play ----------------------------------------------------------------------
+    def expert_action(self) -> str | None:
+        """The scripted expert's action in the current state, None where it has none (e.g. the
+        goal is out of reach: the noisy expert then plays `random_action`)."""
+        raise NoExpert(
+            f"{type(self).__name__} has no scripted expert; implement expert_action() and "
+            "random_action() to warm-start a policy on it, or fine-tune one with agentree sft."
+        )
+
+    def random_action(self, rng: random.Random) -> str:
+        """The walker's action: a valid action drawn at random from `rng` (and nothing else)."""
+        raise NoExpert(
+            f"{type(self).__name__} has no walker; implement random_action() beside "
+            "expert_action()."
+        )
+
+    def best_actions(self) -> list[str]:
+        """Every action that begins a shortest solution from the current state (what
+        `first_move_skill` checks a policy's most likely action against); the default is the
+        expert's action alone."""
+        action = self.expert_action()
+        return [] if action is None else [action]
+
     # -- helpers for tooling ----------------------------------------------------------------
     def example_actions(self) -> list[str]:
         """A few well-formed actions, used by `check_env` and to build tiny tokenizers.
@@ -217,6 +262,11 @@ def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
             "whole env contract"
         )
     return out
+
+
+def has_expert(cls: type[Env]) -> bool:
+    """Whether `cls` implements the scripted expert and walker (`Env.expert_action`)."""
+    return cls.expert_action is not Env.expert_action and cls.random_action is not Env.random_action
 
 
 ScriptedPolicy = Callable[[Task, list[tuple[str, str]]], str]
@@ -273,6 +323,7 @@ ENVS: Registry[type[Env]] = Registry(
         "countdown": "agentree.envs.countdown:CountdownEnv",
         "math": "agentree.envs.math:MathEnv",
         "sokoban": "agentree.envs.sokoban:SokobanEnv",
+        "babyai": "agentree.envs.babyai:BabyAIEnv",
     },
 )
 

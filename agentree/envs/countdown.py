@@ -255,6 +255,8 @@ class CountdownEnv(Env):
     """
 
     Config = CountdownConfig
+    # the reward levels change neither the expert's answers nor the prompts
+    expert_settings = ("min_numbers", "max_numbers", "min_number", "max_number", "max_target")
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = CountdownConfig(**kwargs)
@@ -341,6 +343,28 @@ class CountdownEnv(Env):
         nums = "-".join(str(n) for n in options["nums"])
         task_id = str(record.get("id", f"countdown-{options['target']}-{nums}"))
         return Task(task_id, None, {"target": options["target"], "nums": list(options["nums"])})
+
+    # -- scripted play ----------------------------------------------------------------------
+    def expert_action(self) -> str | None:
+        """The exhaustive solver's expression after a short think block (None: unsolvable)."""
+        assert self._task is not None, "call reset() first"
+        expr = solve(self._task["nums"], self._task["target"])
+        return None if expr is None else self._response(expr)
+
+    def random_action(self, rng: random.Random) -> str:
+        """The numbers in a random order joined by random operators: in format, mostly wrong."""
+        assert self._task is not None, "call reset() first"
+        order = list(self._task["nums"])
+        rng.shuffle(order)
+        expr = str(order[0])
+        for n in order[1:]:
+            expr += f" {rng.choice('+-*')} {n}"
+        return self._response(expr)
+
+    def _response(self, expr: str) -> str:
+        assert self._task is not None
+        think = f"<think>Combine the numbers to reach {self._task['target']}.</think>"
+        return f"{think}\n<answer>{expr}</answer>"
 
     # -- tooling ----------------------------------------------------------------------------
     def example_actions(self) -> list[str]:

@@ -9,6 +9,7 @@ episode ends on G, a hole, or the turn limit.
 
 from __future__ import annotations
 
+import random
 import re
 from collections import deque
 from collections.abc import Sequence
@@ -22,8 +23,10 @@ from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
+MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
 _MOVE = re.compile(r"```\s*([A-Za-z]+)\s*```")
 _DELTA = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}
+_PREFERENCE = ("Down", "Right", "Up", "Left")
 
 
 class FrozenLakeConfig(EnvConfig):
@@ -82,6 +85,32 @@ def distances_to_goal(desc: Sequence[str]) -> dict[tuple[int, int], int]:
     return distances(desc, next((r, c) for r in range(n) for c in range(m) if desc[r][c] == "G"))
 
 
+def valid_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
+    """Moves that stay on the map, in `MOVES` order (a hole is a valid, if fatal, move)."""
+    n, m = len(desc), len(desc[0])
+    out = []
+    for move in MOVES:
+        dr, dc = _DELTA[ACTIONS[move.lower()]]
+        if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < m:
+            out.append(move)
+    return out
+
+
+def shortest_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
+    """Moves that bring `pos` one step closer to G, in `_PREFERENCE` order (empty if G is out
+    of reach). The expert takes the first, so its move is a function of the state rather than
+    a coin flip a policy imitating it would have to learn too."""
+    dist = distances_to_goal(desc)
+    here = dist.get(pos)
+    out = []
+    for move in _PREFERENCE:
+        dr, dc = _DELTA[ACTIONS[move.lower()]]
+        step = (pos[0] + dr, pos[1] + dc)
+        if move in valid_moves(desc, pos) and here is not None and dist.get(step) == here - 1:
+            out.append(move)
+    return out
+
+
 def parse_action(text: str) -> int | None:
     """The last ```Move``` block, case-insensitive; None if absent or not a move."""
     blocks = _MOVE.findall(text)
@@ -89,10 +118,18 @@ def parse_action(text: str) -> int | None:
 
 
 class FrozenLakeEnv(Env):
-    """Text FrozenLake; a snapshot is a small dict, so forking is free."""
+    """Text FrozenLake; a snapshot is a small dict, so forking is free.
+
+    Scripted play: the expert takes a shortest-path move (BFS, holes blocked), the walker a
+    random move that stays on the map.
+    """
 
     Config = FrozenLakeConfig
     system_prompt = prompts.load("frozenlake/system.txt").strip()
+    action_set = tuple(f"```{m}```" for m in MOVES)
+    # the turn limit, stop sequences and reward levels change neither the expert's episodes
+    # (they play to the default turn limit) nor the prompts
+    expert_settings = ("size", "p", "is_slippery")
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = FrozenLakeConfig(**kwargs)
@@ -164,6 +201,17 @@ class FrozenLakeEnv(Env):
     def state_key(self) -> str:
         """The grid with the player: the whole state (an invalid-action notice is not)."""
         return self.render_grid()
+
+    # -- scripted play ------------------------------------------------------------------------
+    def expert_action(self) -> str | None:
+        best = shortest_moves(self._desc, self.position)
+        return f"```{best[0]}```" if best else None
+
+    def random_action(self, rng: random.Random) -> str:
+        return f"```{rng.choice(valid_moves(self._desc, self.position))}```"
+
+    def best_actions(self) -> list[str]:
+        return [f"```{m}```" for m in shortest_moves(self._desc, self.position)]
 
     # -- views --------------------------------------------------------------------------------
     @property

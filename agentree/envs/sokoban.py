@@ -31,6 +31,8 @@ from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+WALK = ("Left", "Down", "Right", "Up")
+"""The walker's moves, in the order its random draw indexes them."""
 _MOVE = re.compile(r"```\s*([A-Za-z]+)\s*```")
 Cell = tuple[int, int]
 
@@ -243,10 +245,15 @@ def parse_action(text: str) -> str | None:
 
 # -- the env --------------------------------------------------------------------------------
 class SokobanEnv(Env):
-    """Text Sokoban; a snapshot is a small dict, so forking is free."""
+    """Text Sokoban; a snapshot is a small dict, so forking is free.
+
+    Scripted play: the expert takes the first move of a shortest solution (`solve_moves`), the
+    walker any of the four moves at random (one into a wall leaves the room as it was).
+    """
 
     Config = SokobanConfig
     system_prompt = prompts.load("sokoban/system.txt").strip()
+    action_set = tuple(f"```{m}```" for m in WALK)
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = SokobanConfig(**kwargs)
@@ -321,6 +328,17 @@ class SokobanEnv(Env):
     def state_key(self) -> str:
         """The grid: the whole state (an invalid-action notice is not part of it)."""
         return self.render_grid()
+
+    # -- scripted play ------------------------------------------------------------------------
+    def expert_action(self) -> str | None:
+        plan = solve_moves(self.room)
+        return f"```{plan[0]}```" if plan else None
+
+    def random_action(self, rng: random.Random) -> str:
+        return f"```{rng.choice(WALK)}```"
+
+    def best_actions(self) -> list[str]:
+        return [f"```{m}```" for m in shortest_first_moves(self.room)]
 
     # -- views --------------------------------------------------------------------------------
     @property

@@ -3,13 +3,14 @@
 The papers start RL from an instruction-tuned model that already answers in format and is
 mediocre at the task. At toy scale the same starting point is the locally built tiny policy
 (`agentree.hub.tiny`) supervised with `agentree.models.sft.run_sft` on demonstrations of a noisy
-expert, so that it answers in format and succeeds only part of the time:
-
-- FrozenLake: each turn the BFS-optimal move with probability `expert_prob`, otherwise a random
-  valid move (one that stays on the map). Imitating that mixture puts the optimal move at
-  probability about expert_prob + (1 - expert_prob) / 4 in the policy; RL then has to sharpen it.
-- Countdown: the exhaustive solver's expression with probability `expert_prob`, otherwise the
-  numbers joined by random operators (well-formed, mostly wrong), after a short think block.
+expert, so that it answers in format and succeeds only part of the time. The expert is the
+env's own (`Env.expert_action`, `Env.random_action`; any env that implements them can be warm
+started): each turn the expert's action with probability `expert_prob`, otherwise a random
+valid one (`scripted_action`). On FrozenLake that is the BFS-optimal move or a move that stays
+on the map; imitating the mixture puts the optimal move at probability about
+expert_prob + (1 - expert_prob) / 4 in the policy, and RL then has to sharpen it. On Countdown
+it is the exhaustive solver's expression or the numbers joined by random operators (in format,
+mostly wrong), after a short think block.
 
 With `pretrain_episodes` the build has two phases: the tiny model is first fine-tuned on a
 strong expert (`pretrain_expert_prob`), which teaches it to read the task (where the goal is,
@@ -22,8 +23,8 @@ two apart: how often the policy's most likely move is a shortest one, against th
 it puts on those moves.)
 
 Builds are cached like `tiny` (content hash of the base policy and the settings).
-The random-valid-move walker, the reference a FrozenLake learning curve is read against, is
-`walker_success`.
+The walker (`expert_prob=0`: random valid actions), the reference a learning curve is read
+against, is `walker_success`.
 """
 
 from __future__ import annotations
@@ -38,28 +39,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentree.envs.base import env_class, validate_env_kwargs
-from agentree.envs.countdown import solve
-from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal
-from agentree.envs.sokoban import SokobanEnv, shortest_first_moves, solve_moves
+from agentree.envs.base import Env, env_class, has_expert, validate_env_kwargs
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.models.sft import SFTConfig, run_sft
-
-WARM_ENVS = ("frozenlake", "countdown", "sokoban")
-BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
-    "frozenlake": ("size", "p", "is_slippery"),
-    "countdown": ("min_numbers", "max_numbers", "min_number", "max_number", "max_target"),
-}
-"""Per env, the settings a warm build reads: those that change the tasks the expert plays, its
-episodes or the prompts. The others (turn limit, stop sequences, reward levels) keep their
-defaults in the build, so a run that changes them reuses it; FrozenLake's demonstrations play to
-the default turn limit whatever the run's `max_turns`. An env not listed is built with, and
-keyed on, every setting."""
-MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
-_DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
-_PREFERENCE = ("Down", "Right", "Up", "Left")
 
 
 class WarmConfig(BaseModel):
@@ -73,7 +57,7 @@ class WarmConfig(BaseModel):
     expert_prob: float = Field(0.5, ge=0.0, le=1.0)
     """Probability that a demonstrated action is the expert's (else a random valid one)."""
     episodes: int = Field(400, ge=1)
-    """Demonstration episodes (FrozenLake) or problems (Countdown)."""
+    """Demonstration episodes (one per task; a single-step env's are its problems)."""
     epochs: int = Field(2, ge=1)
     """SFT passes over the demonstrations."""
     lr: float = Field(2e-3, gt=0.0)
@@ -102,163 +86,30 @@ class WarmConfig(BaseModel):
     a move) for 3 epochs."""
 
 
-# -- FrozenLake ----------------------------------------------------------------------------------
-def valid_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
-    """Moves that stay on the map (a hole is a valid, if fatal, move)."""
-    n, m = len(desc), len(desc[0])
-    out = []
-    for move in MOVES:
-        dr, dc = _DELTA[move]
-        if 0 <= pos[0] + dr < n and 0 <= pos[1] + dc < m:
-            out.append(move)
-    return out
+# -- scripted play -------------------------------------------------------------------------------
+def scripted_action(env: Env, expert_prob: float, rng: random.Random) -> str:
+    """The noisy expert's action in `env`'s current state: `env.expert_action()` with
+    probability `expert_prob`, else (or where the expert has no action) `env.random_action`.
 
-
-def shortest_moves(desc: Sequence[str], pos: tuple[int, int]) -> list[str]:
-    """Moves that bring `pos` one step closer to G, in `_PREFERENCE` order (empty if G is out
-    of reach)."""
-    dist = distances_to_goal(desc)
-    here = dist.get(pos)
-    return [
-        mv
-        for mv in _PREFERENCE
-        if mv in valid_moves(desc, pos)
-        and here is not None
-        and dist.get((pos[0] + _DELTA[mv][0], pos[1] + _DELTA[mv][1])) == here - 1
-    ]
-
-
-def scripted_move(
-    desc: Sequence[str], pos: tuple[int, int], expert_prob: float, rng: random.Random
-) -> str:
-    """The noisy expert: a shortest-path move with probability `expert_prob`, else random valid.
-
-    `expert_prob=0` is the random-valid-move walker; 1 is the BFS-optimal policy. Between equally
-    short moves the expert takes the first in `_PREFERENCE`, so its demonstrated move is a
-    function of the state rather than a coin flip the policy would have to imitate too.
+    `expert_prob=0` is the walker, 1 the expert. One uniform draw per turn comes first whatever
+    `expert_prob` is, so the walker's draws line up with the expert's.
     """
-    moves = valid_moves(desc, pos)
     if rng.random() < expert_prob:
-        best = shortest_moves(desc, pos)
-        if best:
-            return best[0]
-    return rng.choice(moves)
-
-
-def walker_success(
-    env_kwargs: dict[str, Any],
-    tasks: Sequence[Any],
-    *,
-    samples: int = 4,
-    expert_prob: float = 0.0,
-    seed: int = 0,
-) -> float:
-    """Success rate of the scripted FrozenLake policy on `tasks` (`samples` episodes each).
-
-    With the default `expert_prob=0` this is the random-valid-move walker: the figure a
-    learning curve on the same maps has to beat to show the policy learned to navigate.
-    """
-    env = FrozenLakeEnv(**env_kwargs)
-    rng = random.Random(seed)
-    wins = sum(
-        expert_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
-    )
-    env.close()
-    return wins / max(len(tasks) * samples, 1)
-
-
-def walker_baseline(cfg: Any) -> float | None:
-    """The walker's success on an experiment's held-out tasks (None unless FrozenLake or
-    Sokoban)."""
-    env_name, env_kwargs = cfg.component("env")
-    if env_class(env_name) is SokobanEnv:
-        tasks = SokobanEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
-        samples = max(cfg.eval.samples, 32)
-        return sokoban_walker_success(env_kwargs, tasks, samples=samples, seed=cfg.seed)
-    if env_class(env_name) is not FrozenLakeEnv:
-        return None
-    tasks = FrozenLakeEnv.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
-    # at least 32 walks per map: the walker costs no model call, and a handful of walks would
-    # make the reference noisier than the curve it is read against
-    samples = max(cfg.eval.samples, 32)
-    return walker_success(env_kwargs, tasks, samples=samples, seed=cfg.seed)
-
-
-def first_move_skill(
-    model: Any, chat: Any, env: Any, tasks: Sequence[Any], prefix: Sequence[int] = ()
-) -> dict[str, float]:
-    """What a FrozenLake or Sokoban policy knows against what it samples, on the first move of
-    `tasks`.
-
-    `top1`: share of tasks where the policy's most likely move is a shortest one (FrozenLake:
-    about 0.31 for a policy that knows only which moves stay on the map; Sokoban: about 0.27
-    for one that knows nothing, as most rooms have one shortest first move); `p_best`: the
-    mean probability it puts on shortest moves, which is what sampling at temperature 1 gets.
-    Probabilities are over the four move tokens only; `prefix` goes before every prompt.
-    """
-    # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
-    # this module
-    import torch
-
-    move_ids = [chat.encode(f"```{m}```")[0] for m in MOVES]
-    hits, mass, n = 0, 0.0, 0
-    with torch.no_grad():
-        for task in tasks:
-            obs, info = env.reset(seed=task.seed, options=task.options)
-            if isinstance(env, SokobanEnv):
-                best = shortest_first_moves(info["room"])
-            else:
-                best = shortest_moves(info["desc"], tuple(info["pos"]))
-            if not best:
-                continue
-            ids = [*prefix, *chat.prompt_ids(obs)]
-            ids = torch.tensor([ids], device=next(model.parameters()).device)
-            p = model(input_ids=ids).logits[0, -1].float().softmax(-1)[move_ids]
-            p = p / p.sum()
-            hits += MOVES[int(p.argmax())] in best
-            mass += float(sum(p[MOVES.index(m)] for m in best))
-            n += 1
-    return {"top1": hits / max(n, 1), "p_best": mass / max(n, 1), "maps": n}
-
-
-# -- Countdown -----------------------------------------------------------------------------------
-def countdown_response(nums: Sequence[int], target: int, expert_prob: float, rng: random.Random):
-    """The noisy solver's response: think block, then the answer in tags."""
-    expr = solve(nums, target) if rng.random() < expert_prob else None
-    if expr is None:
-        order = list(nums)
-        rng.shuffle(order)
-        expr = str(order[0])
-        for n in order[1:]:
-            expr += f" {rng.choice('+-*')} {n}"
-    return f"<think>Combine the numbers to reach {target}.</think>\n<answer>{expr}</answer>"
-
-
-# -- Sokoban -------------------------------------------------------------------------------------
-def sokoban_move(room: dict[str, Any], expert_prob: float, rng: random.Random) -> str:
-    """The noisy Sokoban expert: the first move of a shortest solution (`solve_moves`) with
-    probability `expert_prob`, else a random move (`expert_prob=0` is the random walker)."""
-    if rng.random() < expert_prob:
-        plan = solve_moves(room)
-        if plan:
-            return plan[0]
-    return rng.choice(MOVES)
+        action = env.expert_action()
+        if action is not None:
+            return action
+    return env.random_action(rng)
 
 
 def expert_steps(
-    env: Any, task: Any, expert_prob: float, rng: random.Random
+    env: Env, task: Any, expert_prob: float, rng: random.Random
 ) -> tuple[tuple[str, dict[str, Any]], list[tuple[str, str, float, bool, bool, dict[str, Any]]]]:
-    """One episode of the noisy expert on `env` (a FrozenLakeEnv or a SokobanEnv): the first
-    observation and info, then (action, observation, reward, terminated, truncated, info) for
-    every step."""
+    """One episode of the noisy expert (`scripted_action`) on `env`: the first observation and
+    info, then (action, observation, reward, terminated, truncated, info) for every step."""
     obs, info = env.reset(seed=task.seed, options=task.options)
     first, steps, done = (obs, info), [], False
     while not done:
-        if isinstance(env, SokobanEnv):
-            move = sokoban_move(info["room"], expert_prob, rng)
-        else:
-            move = scripted_move(info["desc"], tuple(info["pos"]), expert_prob, rng)
-        action = f"```{move}```"
+        action = scripted_action(env, expert_prob, rng)
         obs, reward, terminated, truncated, info = env.step(action)
         steps.append((action, obs, float(reward), terminated, truncated, info))
         done = terminated or truncated
@@ -266,17 +117,19 @@ def expert_steps(
 
 
 def expert_episode(
-    env: Any, task: Any, expert_prob: float, rng: random.Random
+    env: Env, task: Any, expert_prob: float, rng: random.Random
 ) -> tuple[list[dict[str, str]], bool]:
     """(chat messages, success) of one episode of the noisy expert (`expert_steps`)."""
     (obs, _), steps = expert_steps(env, task, expert_prob, rng)
     messages = [{"role": "user", "content": obs}]
     for action, obs, *_ in steps:
         messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
-    return messages[:-1], bool(steps[-1][-1]["success"])
+    info = steps[-1][-1]
+    return messages[:-1], bool(info.get("success", steps[-1][2] >= 1.0))
 
 
-def sokoban_walker_success(
+def walker_success(
+    env_name: str,
     env_kwargs: dict[str, Any],
     tasks: Sequence[Any],
     *,
@@ -284,22 +137,98 @@ def sokoban_walker_success(
     expert_prob: float = 0.0,
     seed: int = 0,
 ) -> float:
-    """Success rate of the scripted Sokoban policy on `tasks`: with `expert_prob=0` the random
-    walker, the figure a Sokoban learning curve on the same rooms has to beat."""
-    env = SokobanEnv(**env_kwargs)
+    """Success rate of the noisy expert of `env_name` on `tasks` (`samples` episodes each).
+
+    With the default `expert_prob=0` this is the walker (random valid actions): the figure a
+    learning curve on the same tasks has to beat to show the policy learned the task.
+    """
+    env = env_class(env_name)(**env_kwargs)
     rng = random.Random(seed)
-    wins = sum(
-        expert_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
-    )
-    env.close()
+    try:
+        wins = sum(
+            expert_episode(env, task, expert_prob, rng)[1] for task in tasks for _ in range(samples)
+        )
+    finally:
+        env.close()
     return wins / max(len(tasks) * samples, 1)
+
+
+def walker_baseline(cfg: Any) -> float | None:
+    """The walker's success on an experiment's held-out tasks; None for an env without a
+    scripted expert or without a fixed action set (`Env.action_set`: a free-form answer such
+    as Countdown's drawn at random is no reference for a curve)."""
+    env_name, env_kwargs = cfg.component("env")
+    cls = env_class(env_name)
+    if not has_expert(cls) or not cls.action_set:
+        return None
+    tasks = cls.load_tasks(cfg.eval.tasks, seed=cfg.seed, split="eval")
+    # at least 32 walks per task: the walker costs no model call, and a handful of walks would
+    # make the reference noisier than the curve it is read against
+    samples = max(cfg.eval.samples, 32)
+    return walker_success(env_name, env_kwargs, tasks, samples=samples, seed=cfg.seed)
+
+
+def first_move_skill(
+    model: Any, chat: Any, env: Env, tasks: Sequence[Any], prefix: Sequence[int] = ()
+) -> dict[str, float]:
+    """What a policy knows against what it samples, on the first action of `tasks`, for an env
+    with a small fixed action set (`Env.action_set`) and `Env.best_actions`.
+
+    `top1`: share of tasks where the policy's most likely action is a best one (FrozenLake:
+    about 0.31 for a policy that knows only which moves stay on the map; Sokoban: about 0.27
+    for one that knows nothing, as most rooms have one shortest first move); `p_best`: the
+    mean probability it puts on best actions, which is what sampling at temperature 1 gets.
+    Probabilities are over `env.action_set` only (an action of several tokens: the product of
+    its tokens'); `prefix` goes before every prompt.
+    """
+    # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
+    # this module
+    import torch
+
+    actions = list(env.action_set)
+    if not actions:
+        raise ValueError(f"{type(env).__name__} has no fixed action set (Env.action_set)")
+    action_ids = [chat.encode(a) for a in actions]
+    hits, mass, n = 0, 0.0, 0
+    with torch.no_grad():
+        for task in tasks:
+            obs, _ = env.reset(seed=task.seed, options=task.options)
+            best = env.best_actions()
+            if not best:
+                continue
+            p = action_probs(model, [*prefix, *chat.prompt_ids(obs)], action_ids)
+            hits += actions[int(p.argmax())] in best
+            mass += float(sum(p[actions.index(a)] for a in best if a in actions))
+            n += 1
+    return {"top1": hits / max(n, 1), "p_best": mass / max(n, 1), "maps": n}
+
+
+def action_probs(model: Any, prompt: Sequence[int], actions: Sequence[Sequence[int]]) -> Any:
+    """The policy's probabilities of the token sequences `actions` after `prompt`, normalised
+    over them (one forward per distinct action prefix; single-token actions share one)."""
+    # deferred: torch takes seconds to import (see first_move_skill)
+    import torch
+
+    device = next(model.parameters()).device
+    logps: dict[tuple[int, ...], Any] = {}
+    for ids in actions:
+        for i in range(len(ids)):
+            head = tuple(ids[:i])
+            if head not in logps:
+                x = torch.tensor([[*prompt, *head]], device=device)
+                logps[head] = model(input_ids=x).logits[0, -1].float().log_softmax(-1)
+    lp = torch.stack([sum(logps[tuple(a[:i])][t] for i, t in enumerate(a)) for a in actions])
+    p = lp.exp()
+    return p / p.sum()
 
 
 # -- building ------------------------------------------------------------------------------------
 def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The validated env settings a warm build of `env_name` reads (`BUILD_SETTINGS`)."""
-    kwargs = validate_env_kwargs(env_class(env_name), env_kwargs)
-    keep = BUILD_SETTINGS.get(env_name)
+    """The validated env settings a warm build of `env_name` reads (`Env.expert_settings`):
+    the others keep their defaults in the build, so a run that changes them reuses it."""
+    cls = env_class(env_name)
+    kwargs = validate_env_kwargs(cls, env_kwargs)
+    keep = cls.expert_settings
     return kwargs if keep is None else {k: v for k, v in kwargs.items() if k in keep}
 
 
@@ -342,14 +271,7 @@ def demonstrations(
     rng = random.Random(warm.seed)
     env = cls(**env_kwargs)
     try:
-        if env_name in ("frozenlake", "sokoban"):
-            return [expert_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
-        out = []
-        for t in tasks:
-            obs, info = env.reset(seed=t.seed, options=t.options)
-            reply = countdown_response(info["nums"], info["target"], warm.expert_prob, rng)
-            out.append([{"role": "user", "content": obs}, {"role": "assistant", "content": reply}])
-        return out
+        return [expert_episode(env, t, warm.expert_prob, rng)[0] for t in tasks]
     finally:
         env.close()
 
@@ -368,12 +290,12 @@ def warm_policy_for_env(
 ) -> Path:
     """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
     the noisy expert."""
-    if env_name not in WARM_ENVS:
-        raise ValueError(
-            f"policy tiny-warm has a scripted expert for {', '.join(WARM_ENVS)} only, not "
-            f"{env_name!r}; use policy tiny, or fine-tune one with agentree sft"
-        )
     cls = env_class(env_name)
+    if not has_expert(cls):
+        raise ValueError(
+            f"env {env_name!r} has no scripted expert (Env.expert_action) to warm-start a "
+            "policy with; use policy tiny, or fine-tune one with agentree sft"
+        )
     kwargs = build_settings(env_name, env_kwargs)  # all the build below reads
     if warm.base == "tiny":
         base = tiny_policy_for_env(env_name, kwargs, tiny, log=log)

@@ -67,6 +67,7 @@ SCORERS: Registry[type[Scorer]] = Registry(
         "judge": "agentree.scorers.judge:JudgeScorer",
         "none": "agentree.scorers.base:NoScorer",
         "sokoban": "agentree.scorers.sokoban:SokobanScorer",
+        "babyai": "agentree.scorers.babyai:BabyAIScorer",
     },
 )
 
