@@ -70,6 +70,14 @@ class EngineConfig(_Section):
     """Strings that end a response as soon as it contains one, besides the env's own."""
     max_context: int = Field(8192, ge=16)
     """Token budget for a whole branch; a branch that would exceed it ends as max_tokens."""
+    history: str = Field("all", pattern=r"^(all|last:[1-9][0-9]*)$")
+    """What each turn's prompt holds: `all` (append-only: the whole episode so far, trained as
+    one sequence), or `last:k`, the task (system prompt and first observation) and the last k
+    turns (each the sampled action and the observation after it), as verl-agent's memory
+    shows a bounded history; every turn is then trained as its own sequence, on exactly the
+    prompt it was sampled against, with the advantage the estimator gives that turn's tokens.
+    For episodes longer than the model's context; `max_context` then bounds each turn's
+    prompt. Held-out evaluation uses the same window."""
     prefix_cache_mb: int = Field(1024, ge=0)
     """Memory for cached prefix KV (transformers engine)."""
     max_batch_size: int = Field(256, ge=1)
@@ -78,6 +86,11 @@ class EngineConfig(_Section):
     """Threads stepping environments concurrently."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for vllm.LLM (e.g. gpu_memory_utilization)."""
+
+    @property
+    def history_window(self) -> int | None:
+        """k of `history: last:k`; None for `all`."""
+        return None if self.history == "all" else int(self.history.split(":")[1])
 
 
 class LoraSettings(_Section):
@@ -156,8 +169,7 @@ class TrainConfig(_Section):
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
     trajectory, or auto: whichever `agentree.algorithms.packing.layout_cost` estimates cheaper per
     batch."""
-    save_every: int = Field(50,
-    ge=0)
+    save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Most recent checkpoints kept on disk."""

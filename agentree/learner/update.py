@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.batching import Batch
+from agentree.algorithms.batching import Batch, turn_samples
 from agentree.algorithms.loss import loss_normalizer, policy_loss
 from agentree.algorithms.packing import (
     PackedBatch,
@@ -78,8 +78,10 @@ class PolicyUpdate:
         kw: dict[str, Any] = {"scale": tc.adv_scale} if tc.advantage == "grpo" else {}
         kw.update(tc.advantage_options)
         advs = compute_advantages(tc.advantage, trees, groups, **kw)
+        # with a history window each turn is trained on the prompt it was sampled against
+        samples, advs = turn_samples(trees, groups, advs)
         kappa = attention_break_even(self.model)
-        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
+        return choose_layout(samples, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
 
     def __call__(
         self,
