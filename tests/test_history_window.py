@@ -17,6 +17,7 @@ from agentree.config import EngineConfig, TrainConfig, load_config
 from agentree.engines.base import SamplingParams
 from agentree.envs import Task, make_env
 from agentree.learner.update import PolicyUpdate
+from agentree.models.sft import examples_from_trees
 from agentree.rollout.base import RolloutContext, make_controller
 from agentree.scorers import make_scorer
 from agentree.tree import EndReason, Tree
@@ -104,6 +105,9 @@ def test_window_prompt_by_hand():
     groups, advs = turn_samples([tree], [[traj]], [[adv]])
     assert groups[0] == samples
     assert advs[0] == [[0.0, 0.0, 0.5, 0.5], [0.0] * 5 + [-0.25], [0.0] * 5 + [2.0]]
+    # rejection-sampling fine-tuning on such trees trains the same samples
+    examples, seen = examples_from_trees([tree])
+    assert seen == 1 and [e.token_ids for e in examples] == [s.token_ids for s in samples]
     # without a window the trajectory is the one sample, unchanged
     tree.meta.pop("history")
     assert tree.turn_trajectories(traj) == [traj]
