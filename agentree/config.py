@@ -70,6 +70,14 @@ class EngineConfig(_Section):
     """Strings that end a response as soon as it contains one, besides the env's own."""
     max_context: int = Field(8192, ge=16)
     """Token budget for a whole branch; a branch that would exceed it ends as max_tokens."""
+    history: str = Field("all", pattern=r"^(all|last:[1-9][0-9]*)$")
+    """What each turn's prompt holds: `all` (append-only: the whole episode so far, trained as
+    one sequence), or `last:k`, the task (system prompt and first observation) and the last k
+    turns (each the sampled action and the observation after it), as verl-agent's memory
+    shows a bounded history; every turn is then trained as its own sequence, on exactly the
+    prompt it was sampled against, with the advantage the estimator gives that turn's tokens.
+    For episodes longer than the model's context; `max_context` then bounds each turn's
+    prompt. Held-out evaluation uses the same window."""
     prefix_cache_mb: int = Field(1024, ge=0)
     """Memory for cached prefix KV (transformers engine)."""
     max_batch_size: int = Field(256, ge=1)
@@ -78,6 +86,11 @@ class EngineConfig(_Section):
     """Threads stepping environments concurrently."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for vllm.LLM (e.g. gpu_memory_utilization)."""
+
+    @property
+    def history_window(self) -> int | None:
+        """k of `history: last:k`; None for `all`."""
+        return None if self.history == "all" else int(self.history.split(":")[1])
 
 
 class LoraSettings(_Section):
@@ -111,7 +124,9 @@ class TrainConfig(_Section):
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up."""
+    """Linear learning-rate warm-up: optimiser step s (0-based) runs at lr * (s + 1) /
+    warmup_steps until the schedule takes over (0: none). Against a dip of held-out success in
+    the first updates from a warm start, when the first groups' advantages are noisiest."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: constant, or cosine decay to `lr_min_ratio * lr` at the last step."""
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0)

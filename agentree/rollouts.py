@@ -155,6 +155,7 @@ class LocalRollouts:
             env_factory=self.make_env,
             scorer=self.scorer,
             max_context=min(self.cfg.engine.max_context, self.engine.max_model_len),
+            history=self.cfg.engine.history_window,
             rng=self.rng,
             env_workers=self.cfg.engine.env_workers,
             progress=progress,

@@ -8,6 +8,13 @@ policy sampled, and shared prefixes are stored once.
 
 Turn-level controllers (patr, grpo, ...) make one node per turn; token-level samplers (latr,
 treepo, eptree) make one node per response segment and step the single-turn env at the leaves.
+
+History window (`engine.history: last:k`, recorded as `meta["history"] = k`): a turn's prompt
+is then the root's ids (the system prompt and the task's first observation) followed by the
+last k turns' ids (each turn's sampled action and the observation after it), not the whole
+path (`context_ids`). Every id is still one the tree stored, so nothing is re-tokenized; the
+whole path (`trajectory`) stays what advantage estimators read, and `turn_trajectories` gives
+the samples the update trains: each turn as its own sequence, its exact prompt then its action.
 """
 
 from __future__ import annotations
@@ -189,13 +196,27 @@ class Tree:
         reward = sum(n.reward for n in self.path(leaf_id))
         return bool(node.info.get("env", {}).get("success", reward >= 1.0))
 
+    @property
+    def history(self) -> int | None:
+        """The history window k of `engine.history: last:k`, or None: every turn is kept."""
+        k = self.meta.get("history")
+        return None if k is None else int(k)
+
     def context_ids(self, node_id: int) -> list[int]:
-        """The exact token ids the policy conditions on after `node_id`."""
+        """The exact token ids the policy conditions on after `node_id`: the whole path, or
+        with a history window k the root and the last k turns of it."""
         ids: list[int] = []
-        for n in self.path(node_id):
+        for n in self.context_nodes(node_id):
             ids.extend(n.action_ids)
             ids.extend(n.obs_ids)
         return ids
+
+    def context_nodes(self, node_id: int) -> list[Node]:
+        """The nodes whose ids, in order, make the context after `node_id` (`context_ids`)."""
+        path = self.path(node_id)
+        if self.history is None:
+            return path
+        return path[:1] + path[1:][-self.history :]
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if not n.children and n.parent is not None]
@@ -245,6 +266,42 @@ class Tree:
             end_reason=leaf.end_reason,
             num_turns=leaf.turn,
         )
+
+    def turn_trajectories(self, traj: Trajectory) -> list[Trajectory]:
+        """The training samples of `traj` (a trajectory of this tree): the trajectory itself,
+        or with a history window one per turn, its prompt (`context_ids` of the turn's parent,
+        exactly what the policy was sampled against) then the action it sampled, the only
+        tokens with loss mask 1. `node_of_token` names the node each id came from, so a
+        turn's action ids keep their node."""
+        if self.history is None:
+            return [traj]
+        out = []
+        for k in range(1, len(traj.nodes)):
+            node = self.nodes[traj.nodes[k]]
+            if not node.action_ids:
+                continue
+            ids: list[int] = []
+            owner: list[int] = []
+            for n in self.context_nodes(traj.nodes[k - 1]):
+                ids += n.action_ids + n.obs_ids
+                owner += [n.id] * (len(n.action_ids) + len(n.obs_ids))
+            a = len(node.action_ids)
+            lps = node.logprobs if len(node.logprobs) == a else [0.0] * a
+            out.append(
+                Trajectory(
+                    task_id=traj.task_id,
+                    leaf=traj.leaf,
+                    nodes=traj.nodes[: k + 1],
+                    token_ids=ids + node.action_ids,
+                    loss_mask=[0] * len(ids) + [1] * a,
+                    logprobs=[0.0] * len(ids) + list(lps),
+                    node_of_token=owner + [node.id] * a,
+                    reward=traj.reward,
+                    end_reason=traj.end_reason,
+                    num_turns=traj.num_turns,
+                )
+            )
+        return out
 
     def trajectories(self, *, include_pruned: bool = True) -> list[Trajectory]:
         """The rollout group: every finished leaf (PATR's "keep all"), or only unpruned ones.

@@ -45,7 +45,8 @@ Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 mean, or null, "pass_at_4", "env_steps_per_step", "forks", "wall_s", "seeds"}},
 "paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
 and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method},
-"sizing": {"budget_per_task": B, "turns": E}, "warm_start": the warm build's cache key}, the PNG
+"sizing": {"budget_per_task": B, "turns": E}, "warm_start": the warm build's cache key,
+"warm_start_sha256": the sha256 of its weights}, the PNG
 curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
 with the per-seed curves and the walker's figure.
 """
@@ -447,14 +448,17 @@ def walker_baseline(case: str, seeds: list[int], args: argparse.Namespace) -> fl
     return statistics.fmean(rates) if rates else None
 
 
-def warm_start(run: Path) -> str:
-    """The cached warm build a run started from (its content key names everything it was built
-    from), so that results from different warm starts are not read as one."""
+def warm_start(run: Path) -> tuple[str, str | None]:
+    """The cached warm build a run started from: its content key (everything it was built from)
+    and the sha256 of its weights (one key has built different weights on different machines),
+    so that results from different warm starts are not read as one."""
     # deferred: agentree.policy imports the model code, which only the summary needs here
     from agentree.config import load_config
+    from agentree.hub.store import weights_sha256
     from agentree.policy import resolve_policy
 
-    return Path(resolve_policy(load_config(str(run / "config.yaml")), log=lambda _: None)).name
+    path = resolve_policy(load_config(str(run / "config.yaml")), log=lambda _: None)
+    return Path(path).name, weights_sha256(path)
 
 
 def main() -> None:
@@ -507,7 +511,9 @@ def main() -> None:
         if "methods" not in CASES[case]:
             budget, turns = sizing_of(case, args)
             summary["sizing"] = {"budget_per_task": budget, "turns": turns}
-        summary["warm_start"] = warm_start(out / case / methods[0] / f"seed{args.seeds[0]}")
+        key, sha256 = warm_start(out / case / methods[0] / f"seed{args.seeds[0]}")
+        summary["warm_start"] = key
+        summary["warm_start_sha256"] = sha256
         name = "summary.json" if case == "frozenlake" else f"{case}_summary.json"
         (out / name).write_text(json.dumps(summary, indent=1))
         print(f"{case} ({time.perf_counter() - t0:.0f}s): {json.dumps(summary)}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from agentree.commands.cli import main
+from agentree.config import load_config
+from agentree.policy import resolve_policy
 from agentree.tree import Tree
 
 FAST = ["--set", "engine.max_tokens=6", "--set", "env.max_turns=4", "--set", "rollout.K=2"]
@@ -84,6 +88,12 @@ def test_train_with_a_user_env(tmp_path, monkeypatch):
     assert (out / "checkpoints" / "latest").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"] is not None
+    # the run names the weights it started from, in its summary and its config.yaml
+    policy = Path(summary_policy(out))
+    assert summary["policy_sha256"] == _sha256(policy / "model.safetensors")
+    config = (out / "config.yaml").read_text()
+    assert f"# policy weights sha256: {summary['policy_sha256']} ({policy})" in config
+    assert load_config(str(out / "config.yaml")).env["name"] == "custom_env.mygame:GuessEnv"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("train/loss" in r for r in rows)
 
@@ -94,6 +104,19 @@ def test_eval_writes_eval_json(tmp_path, tiny_frozenlake):
     data = json.loads((out / "eval.json").read_text())
     assert data["summary"]["tasks"] == 3 and len(data["per_task"]) == 3
     assert all(p["samples"] == 2 for p in data["per_task"])
+    # the figure names the weights behind it: those of the policy the config resolves to
+    policy = Path(resolve_policy(load_config(str(out / "config.yaml")), log=lambda _: None))
+    assert data["summary"]["policy_sha256"] == _sha256(policy / "model.safetensors")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def summary_policy(run_dir: Path) -> str:
+    """The policy directory a run started from, as its config.yaml's last line names it."""
+    line = (run_dir / "config.yaml").read_text().splitlines()[-1]
+    return line.rsplit("(", 1)[1].rstrip(")")
 
 
 def test_bad_config_is_one_clear_line(tmp_path, capsys):

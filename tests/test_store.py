@@ -125,3 +125,40 @@ def test_models_build_fills_the_cache_that_a_run_and_models_list_read(
     assert Path(out.strip()) == path and "building" not in err
     assert main(["models", "list"]) == 0
     assert f"tiny/{path.name}" in capsys.readouterr().out
+
+
+def test_a_build_records_the_sha256_of_its_weights(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    from agentree.hub.store import BUILD_META, weights_sha256
+
+    weights = b"weights of the built model"
+
+    def write(out: Path) -> None:
+        (out / "model.safetensors").write_bytes(weights)
+        (out / "config.json").write_text("{}")
+        # a metadata file copied from the base the build started from names other weights
+        (out / BUILD_META).write_text(json.dumps({"weights_sha256": "stale"}))
+
+    target = build_once(tmp_path / "tiny-warm" / "k1", write, log=None)
+    expected = hashlib.sha256(weights).hexdigest()
+    assert json.loads((target / BUILD_META).read_text()) == {"weights_sha256": expected}
+    assert weights_sha256(target) == expected
+    # a checkpoint outside the cache is hashed from its files; shards in name order
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    (shards / "model-00002-of-00002.safetensors").write_bytes(b"second")
+    (shards / "model-00001-of-00002.safetensors").write_bytes(b"first")
+    assert weights_sha256(shards) == hashlib.sha256(b"firstsecond").hexdigest()
+    assert weights_sha256(tmp_path / "no-such-dir") is None
+    # the recorded digest names the build: other bytes give another name
+    other = build_once(
+        tmp_path / "tiny-warm" / "k2",
+        lambda out: (
+            (out / "model.safetensors").write_bytes(weights + b"!"),
+            (out / "config.json").write_text("{}"),
+        ),
+        log=None,
+    )
+    assert weights_sha256(other) != expected

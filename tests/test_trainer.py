@@ -67,7 +67,9 @@ def test_trainer_sees_exactly_the_sampled_ids(tmp_path, tiny_frozenlake):
 
 
 def test_update_changes_weights_and_writes_run_dir(tmp_path, tiny_frozenlake):
-    cfg = small_config(tmp_path, "train.lr=0.01", steps=2)
+    cfg = small_config(
+        tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.lr_schedule=constant", steps=2
+    )
     tr = Trainer(cfg, tmp_path, log=lambda s: None)
     easy_tasks(tr)
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
@@ -77,6 +79,8 @@ def test_update_changes_weights_and_writes_run_dir(tmp_path, tiny_frozenlake):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    # the optimiser stepped at the warm-up's rates: lr (s + 1) / warmup_steps
+    assert [r["train/lr"] for r in steps] == pytest.approx([0.005, 0.01])
     for r in steps:
         assert torch.isfinite(torch.tensor(r["train/loss"]))
         assert r["train/logprob_drift"] < 1e-3
@@ -255,6 +259,13 @@ def test_learning_rate_schedules():
     assert lr_at(cos, 0) == pytest.approx(1.0)
     assert lr_at(cos, 5) == pytest.approx(0.55)
     assert lr_at(cos, 10) == pytest.approx(0.1)
+    # warm-up, then the cosine over the remaining steps: lr (s + 1) / w for s < w = 2, then
+    # progress (s - 2) / 9: 0 -> 1.0, 4/9 -> 0.1 + 0.45 (1 + cos(4 pi / 9)) = 0.62814, 1 -> 0.1
+    both = TrainConfig(lr=1.0, steps=12, warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1)
+    assert [lr_at(both, s) for s in (0, 1, 2)] == pytest.approx([0.5, 1.0, 1.0])
+    assert lr_at(both, 6) == pytest.approx(0.62814, abs=1e-5)
+    assert lr_at(both, 11) == pytest.approx(0.1)
+    assert TrainConfig().warmup_steps == 0  # off by default: the schedule as it was
 
 
 _GRAD_NORMS = """

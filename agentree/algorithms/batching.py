@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from agentree.algorithms.output_layer import chunked_logprobs
-from agentree.tree import Trajectory
+from agentree.tree import Trajectory, Tree
 
 
 @dataclass
@@ -30,6 +30,40 @@ class Batch:
     mask: torch.Tensor
     adv: torch.Tensor
     sampled_lp: torch.Tensor
+
+
+def turn_samples(
+    trees: Sequence[Tree],
+    groups: Sequence[Sequence[Trajectory]],
+    advs: Sequence[Sequence[Sequence[float]]],
+) -> tuple[list[list[Trajectory]], list[list[list[float]]]]:
+    """The sequences an update trains, with their per-token advantages, per tree.
+
+    A tree without a history window trains each trajectory as one sequence (returned as
+    given). With one (`Tree.history`), every turn of a trajectory is its own sequence
+    (`Tree.turn_trajectories`): its action ids get the advantages the estimator gave those
+    ids in the whole trajectory, its prompt ids none (they carry no loss)."""
+    out_groups: list[list[Trajectory]] = []
+    out_advs: list[list[list[float]]] = []
+    for tree, group, group_advs in zip(trees, groups, advs, strict=True):
+        if tree.history is None:
+            out_groups.append(list(group))
+            out_advs.append([list(a) for a in group_advs])
+            continue
+        samples: list[Trajectory] = []
+        sample_advs: list[list[float]] = []
+        for traj, adv in zip(group, group_advs, strict=True):
+            by_node: dict[int, list[float]] = {}
+            for owner, m, a in zip(traj.node_of_token, traj.loss_mask, adv, strict=True):
+                if m:
+                    by_node.setdefault(owner, []).append(a)
+            for turn in tree.turn_trajectories(traj):
+                action = by_node[turn.nodes[-1]]
+                samples.append(turn)
+                sample_advs.append([0.0] * (len(turn.token_ids) - len(action)) + action)
+        out_groups.append(samples)
+        out_advs.append(sample_advs)
+    return out_groups, out_advs
 
 
 def make_batch(trajs: Sequence[Trajectory], advs: Sequence[Sequence[float]], pad: int) -> Batch:

@@ -310,6 +310,8 @@ def train_entry(cfg: Any, resume: bool) -> int:
     console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
     _print_action_format(console, *actions)
     summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
+    if trainer.rt is not None and trainer.rt.policy_sha256:  # the weights the run started from
+        summary["policy_sha256"] = trainer.rt.policy_sha256
 
     walker = walker_baseline(cfg)
     if walker is not None:  # the reference a FrozenLake curve is read against
@@ -410,6 +412,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"[bold green]{s['metric']}: {100 * s[s['metric']]:.1f}%[/] over {s['tasks']} tasks "
         f"in {s['wall_s']:.0f}s -> {args.output}/eval.json"
     )
+    if "policy_sha256" in s:
+        console.print(f"policy weights: sha256 {s['policy_sha256']}")
     return 0
 
 

@@ -9,7 +9,10 @@ written by `build_once`:
 - it writes into `<kind>/.<key>.partial` and renames that into place when done, so readers never
   see half a build; an exception, Ctrl-C (SIGINT) or SIGTERM removes the partial directory, and a
   partial directory left by a killed process (SIGKILL, power loss) is removed by the next build;
-- it says what it builds and about how long that takes before it starts.
+- it says what it builds and about how long that takes before it starts;
+- it records the sha256 of the weights it wrote (`weights_sha256`) in `BUILD_META` beside them:
+  the same recipe key has given different weights on different machines (thread counts,
+  library versions), so a result names the weights it came from, not only the recipe.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 from agentree.signals import interrupt_on_sigterm
 
 Log = Callable[[str], None]
+BUILD_META = "agentree-build.json"
+"""A build's metadata file: `{"weights_sha256": ...}`."""
 
 
 def to_stderr(msg: str) -> None:
@@ -81,6 +86,8 @@ def build_once(
             try:
                 partial.mkdir()
                 write(partial)
+                # hashed from the files, never from a metadata file a build copied from its base
+                _write_meta(partial, {"weights_sha256": _hash_weights(partial)})
                 if target.exists():  # an old unfinished layout; the lock makes this ours
                     shutil.rmtree(target)
                 partial.rename(target)
@@ -89,6 +96,39 @@ def build_once(
                 raise
         say(f"built {name} in {time.perf_counter() - t0:.0f}s")
     return target
+
+
+def weights_sha256(model_dir: Path | str) -> str | None:
+    """The sha256 naming a checkpoint directory's weights: of `model.safetensors` itself, or of
+    a sharded checkpoint's `*.safetensors` files in name order (their bytes, one after another).
+    A build's recorded digest (`BUILD_META`) is read instead of hashing again; None when the
+    directory holds no safetensors weights."""
+    model_dir = Path(model_dir)
+    meta = model_dir / BUILD_META
+    if meta.is_file():
+        digest = json.loads(meta.read_text()).get("weights_sha256")
+        if digest:
+            return str(digest)
+    return _hash_weights(model_dir)
+
+
+def _hash_weights(model_dir: Path) -> str | None:
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _write_meta(build: Path, meta: dict[str, object]) -> None:
+    # through a temporary file: a reader never sees half of it
+    tmp = build / f".{BUILD_META}.{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.rename(build / BUILD_META)
 
 
 def _remove_leftovers(target: Path) -> None:

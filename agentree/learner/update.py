@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.batching import Batch
+from agentree.algorithms.batching import Batch, turn_samples
 from agentree.algorithms.loss import loss_normalizer, policy_loss
 from agentree.algorithms.packing import (
     PackedBatch,
@@ -76,8 +76,10 @@ class PolicyUpdate:
         """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
         advs = compute_advantages(tc.advantage, trees, groups, **tc.advantage_kwargs())
+        # with a history window each turn is trained on the prompt it was sampled against
+        samples, advs = turn_samples(trees, groups, advs)
         kappa = attention_break_even(self.model)
-        return choose_layout(groups, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
+        return choose_layout(samples, advs, self.pad_id, tc.micro_batch_size, tc.packing, kappa)
 
     def __call__(
         self,

@@ -163,7 +163,9 @@ def examples_from_trees(
         for t in tree.trajectories():
             seen += 1
             if min_reward is None or t.reward >= min_reward:
-                out.append(SFTExample(list(t.token_ids), list(t.loss_mask)))
+                # a tree with a history window: each turn on the prompt it was sampled against
+                for s in tree.turn_trajectories(t):
+                    out.append(SFTExample(list(s.token_ids), list(s.loss_mask)))
     return out, seen
 
 

@@ -95,6 +95,9 @@ class RolloutContext:
     scorer: Scorer = field(default_factory=NoScorer)
     max_context: int = 4096
     """Token budget for a branch's whole context; a branch that would exceed it ends."""
+    history: int | None = None
+    """History window (`engine.history`): each turn's prompt holds the task and the last
+    `history` turns; None keeps every turn (append-only)."""
     rng: random.Random = field(default_factory=random.Random)
     env_workers: int = 8
     """Threads stepping envs concurrently (Docker execs are I/O bound)."""

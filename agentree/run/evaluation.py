@@ -84,6 +84,7 @@ def run_eval(
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
     scripted = cls.scripted_policy(cfg.policy.path)
     t0 = time.perf_counter()
+    sha256 = None
     if scripted is not None:
         log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
         trees = run_scripted(cls, env_kwargs, scripted, task_list, cfg.engine.env_workers)
@@ -91,12 +92,15 @@ def run_eval(
         rt = Runtime(cfg, log=log)
         try:
             log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
+            sha256 = rt.policy_sha256
             trees = evaluate(
                 rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples, progress=progress
             )["trees"]
         finally:
             rt.close()
     result = summarise(trees, cfg.policy.path, time.perf_counter() - t0)
+    if sha256:  # the weights behind the figure: one recipe has built different ones
+        result["summary"]["policy_sha256"] = sha256
     mark(out_dir, "eval")
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     _write(out_dir, trees, result)

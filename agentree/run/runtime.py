@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Task
+from agentree.hub.store import weights_sha256
 from agentree.policy import build_engine, resolve_policy
 from agentree.rollouts import LocalRollouts, Rollouts, rollout_parts
 
@@ -32,6 +33,12 @@ class Runtime:
         self.controller = parts.controller
         self.tasks = {split: self.load_tasks(spec, split) for split, spec in (tasks or {}).items()}
         self.policy_path = resolve_policy(cfg, log)
+        self.policy_sha256 = weights_sha256(self.policy_path)
+        """The sha256 of the policy's weights (`weights_sha256`): what names the starting point
+        of a result, since one recipe key has built different weights on different machines.
+        None for a hub id or a checkpoint without safetensors weights."""
+        if self.policy_sha256:
+            log(f"policy weights: sha256 {self.policy_sha256} ({self.policy_path})")
         self.engine, self.model, self.tokenizer = build_engine(cfg, self.policy_path)
         self.rollouts: Rollouts
         if ray:

@@ -157,6 +157,8 @@ class TurnRunner:
         for task in tasks:
             obs, info, key = results[k]
             tree = Tree(task.id, task.to_dict())
+            if self.ctx.history is not None:  # every turn's prompt comes from the window
+                tree.meta["history"] = self.ctx.history
             env0 = envs[k]
             prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt)
             tree.add_root(obs, prompt, {"env": info, **_key_info(key)})
@@ -309,7 +311,10 @@ class TurnRunner:
                 info=extra,
             )
             b.node = node.id
-            b.context += list(comp.token_ids) + obs_ids
+            if b.tree.history is None:
+                b.context += list(comp.token_ids) + obs_ids
+            else:  # the root and the last k turns: the prompt the update trains this turn on
+                b.context = b.tree.context_ids(node.id)
             b.keys.append(str(info.get("action_key", " ".join(action.split()))))
             if terminated:
                 self._end(b, EndReason.COMPLETED)

@@ -1,0 +1,225 @@
+"""The history window (`engine.history: last:k`): each turn's prompt is the task and the last k
+turns, every turn is trained as its own sequence on exactly the ids it was sampled against,
+forks and tree packing still hold, and the default (`all`) is the append-only path unchanged."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from agentree.algorithms.advantages import compute_advantages
+from agentree.algorithms.batching import turn_samples
+from agentree.chat import ChatFormat
+from agentree.config import EngineConfig, TrainConfig, load_config
+from agentree.engines.base import SamplingParams
+from agentree.envs import Task, make_env
+from agentree.learner.update import PolicyUpdate
+from agentree.models.sft import examples_from_trees
+from agentree.rollout.base import RolloutContext, make_controller
+from agentree.scorers import make_scorer
+from agentree.tree import EndReason, Tree
+
+OPEN = ["SFFF", "FFFF", "FFFF", "FFFG"]  # no holes: long episodes unless the goal is reached
+TURNS = 7
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_frozenlake):
+    """The real tiny policy's engine, recording every (prompt, completion) it samples."""
+    from agentree.engines.hf import HFEngine
+
+    torch.manual_seed(0)
+    eng = HFEngine.from_pretrained(tiny_frozenlake, seed=0)
+    eng.sampled = []
+    generate = eng.generate
+
+    def recording(prompts, params):
+        outs = generate(prompts, params)
+        for p, o in zip(prompts, outs, strict=True):
+            eng.sampled += [(tuple(p), tuple(c.token_ids), tuple(c.logprobs)) for c in o]
+        return outs
+
+    eng.generate = recording
+    yield eng
+    eng.close()
+
+
+def rollout(engine, history: int | None, name: str = "patr", seed: int = 0, **cfg):
+    chat = ChatFormat(engine.tokenizer)
+    engine.seed(seed)
+    # from a cold prefix cache: cached and recomputed KV round differently in the last bits,
+    # and the default-mode comparison below is bit for bit
+    engine.prefix_cache.clear()
+    engine.sampled = []
+    ctx = RolloutContext(
+        engine=engine,
+        chat=chat,
+        sampling=SamplingParams(max_tokens=6, stop_token_ids=chat.stop_token_ids),
+        env_factory=lambda: make_env("frozenlake", max_turns=TURNS, invalid_penalty=0.1),
+        scorer=make_scorer("bfs"),
+        rng=random.Random(seed),
+        history=history,
+    )
+    controller = make_controller(name, **cfg)
+    tasks = [Task(f"open{i}", options={"desc": OPEN}) for i in range(2)]
+    trees, stats = controller.rollout(tasks, ctx)
+    return trees, stats, [controller.group(t) for t in trees]
+
+
+PATR = {"B0": 2, "K": 3, "M": 2, "top_k": 1, "alpha": 0.5, "theta": 99}
+
+
+def test_window_prompt_by_hand():
+    """Root + last k turns, every id as stored; the training samples of a trajectory are its
+    turns, loss only on each turn's action, advantages carried per node."""
+    tree = Tree("t")
+    tree.meta["history"] = 1
+    tree.add_root("o0", [1, 2])
+    a = tree.add_child(0, action="x", action_ids=[10, 11], logprobs=[-0.1, -0.2], obs_ids=[3])
+    b = tree.add_child(a.id, action="y", action_ids=[12], logprobs=[-0.3], obs_ids=[4, 5])
+    c = tree.add_child(b.id, action="z", action_ids=[13], logprobs=[-0.4], reward=1.0)
+    c.end_reason = EndReason.COMPLETED
+    assert tree.context_ids(a.id) == [1, 2, 10, 11, 3]
+    assert tree.context_ids(b.id) == [1, 2, 12, 4, 5]  # turn 1 left the window
+    traj = tree.trajectory(c.id)  # the whole path, what advantage estimators read
+    assert traj.token_ids == [1, 2, 10, 11, 3, 12, 4, 5, 13]
+    samples = tree.turn_trajectories(traj)
+    assert [s.token_ids for s in samples] == [
+        [1, 2, 10, 11],
+        [1, 2, 10, 11, 3, 12],
+        [1, 2, 12, 4, 5, 13],
+    ]
+    assert [s.loss_mask for s in samples] == [
+        [0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 1],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert samples[0].logprobs == [0.0, 0.0, -0.1, -0.2]
+    assert samples[2].node_of_token == [0, 0, b.id, b.id, b.id, c.id]
+    # per-token advantages of the whole trajectory (say GiGPO's: one per turn) go with the
+    # action ids of each turn; prompt ids get none
+    adv = [0.0, 0.0, 0.5, 0.5, 0.0, -0.25, 0.0, 0.0, 2.0]
+    groups, advs = turn_samples([tree], [[traj]], [[adv]])
+    assert groups[0] == samples
+    assert advs[0] == [[0.0, 0.0, 0.5, 0.5], [0.0] * 5 + [-0.25], [0.0] * 5 + [2.0]]
+    # rejection-sampling fine-tuning on such trees trains the same samples
+    examples, seen = examples_from_trees([tree])
+    assert seen == 1 and [e.token_ids for e in examples] == [s.token_ids for s in samples]
+    # without a window the trajectory is the one sample, unchanged
+    tree.meta.pop("history")
+    assert tree.turn_trajectories(traj) == [traj]
+    assert tree.context_ids(b.id) == [1, 2, 10, 11, 3, 12, 4, 5]
+
+
+def test_history_setting_is_checked():
+    assert EngineConfig().history_window is None
+    assert EngineConfig(history="last:3").history_window == 3
+    for bad in ("last:0", "last", "3", "first:2"):
+        with pytest.raises(ValueError, match="history"):
+            load_config(None, overrides=[f"engine.history={bad}"])
+
+
+def test_each_turn_trains_on_the_ids_it_was_sampled_against(engine):
+    """PATR in window mode: every training sample is a prompt the engine was given followed
+    by the completion it sampled for it (ids and log-probs), the prompt is the root and the
+    last k turns, and forks below the window continue from the parent's window."""
+    k = 2
+    trees, stats, groups = rollout(engine, k, **PATR)
+    sampled = {(p, c): lp for p, c, lp in engine.sampled}
+    assert stats.forks > 0
+    advs = [[[0.0] * len(t.token_ids) for t in g] for g in groups]
+    samples, _ = turn_samples(trees, groups, advs)
+    beyond = 0
+    for tree, group in zip(trees, samples, strict=True):
+        assert tree.history == k
+        for s in group:
+            a = sum(s.loss_mask)
+            prompt, action = tuple(s.token_ids[:-a]), tuple(s.token_ids[-a:])
+            assert s.loss_mask == [0] * len(prompt) + [1] * a
+            assert (prompt, action) in sampled  # sampled against exactly this prompt
+            assert s.logprobs[-a:] == pytest.approx(sampled[prompt, action])
+            parent = tree.nodes[s.nodes[-2]]
+            path = tree.path(parent.id)
+            expect = list(tree.root.obs_ids)
+            for n in path[1:][-k:]:
+                expect += n.action_ids + n.obs_ids
+            assert list(prompt) == expect
+            beyond += len(path) - 1 > k
+    assert beyond > 0  # some turns were sampled with earlier turns out of the window
+    forked = [n for t in trees for n in t.nodes if len(n.children) > 1 and n.turn >= k]
+    assert forked  # a fork where the window already dropped turns
+
+
+def test_packed_equals_padded_in_window_mode(engine):
+    """One `PolicyUpdate` on window-mode trees moves the weights the same with tree-packed
+    and padded rows, the packed rows sharing the turns' common prompts."""
+    trees, _, groups = rollout(engine, 2, **PATR)
+    torch.manual_seed(1)
+    # rewards differ only by chance on these maps: give the leaves distinct rewards so the
+    # group advantages are not all zero
+    for tree in trees:
+        for i, leaf in enumerate(tree.finished_leaves()):
+            leaf.reward = float(i % 3)
+    groups = [t.trajectories() for t in trees]
+    moved, stats = {}, {}
+    for packing in ("tree", "padded"):
+        model = copy.deepcopy(engine.model).float()
+        tc = TrainConfig(packing=packing, lr=1e-3, micro_batch_size=4, kl_coef=0.0)
+        upd = PolicyUpdate(model, tc, pad_id=0)
+        stats[packing] = upd(trees, groups, lr=1e-3)
+        assert stats[packing]["train/logprob_drift"] < 1e-4  # sampled = recomputed per turn
+        moved[packing] = [p.detach() for p in model.parameters()]
+    assert stats["tree"]["train/packed"] == 1.0
+    assert stats["tree"]["train/forward_tokens"] < stats["padded"]["train/forward_tokens"]
+    for key in ("train/loss", "train/grad_norm", "train/policy_tokens"):
+        assert stats["tree"][key] == pytest.approx(stats["padded"][key], rel=1e-4)
+    start = list(engine.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(moved["tree"], start, strict=True))
+    for a, b in zip(moved["tree"], moved["padded"], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=0.05 * 1e-3)
+
+
+def test_a_window_wider_than_the_episode_is_the_default_path(engine):
+    """`last:k` with k >= the turn limit drops nothing: the same trees, token for token, as
+    the default append-only mode, whose trees carry no window and train whole trajectories."""
+    whole, _, whole_groups = rollout(engine, None, **PATR)
+    wide, _, _ = rollout(engine, TURNS, **PATR)
+    for a, b in zip(whole, wide, strict=True):
+        assert "history" not in a.meta
+        assert [(n.action_ids, n.obs_ids, n.logprobs) for n in a.nodes] == [
+            (n.action_ids, n.obs_ids, n.logprobs) for n in b.nodes
+        ]
+    advs = [[[0.0] * len(t.token_ids) for t in g] for g in whole_groups]
+    samples, _ = turn_samples(whole, whole_groups, advs)
+    assert samples == whole_groups
+
+
+def test_gigpo_finds_identical_states_in_window_mode(engine):
+    """GiGPO groups steps by the env's state key, which the window does not touch: each turn's
+    sample carries the step advantage GiGPO gave that turn in the whole trajectory."""
+    trees, _, groups = rollout(engine, 1, "grpo", G=4)
+    keys = [n.info.get("state_key") for t in trees for n in t.nodes if n.parent is not None]
+    assert keys and None not in keys
+    assert len(set(keys)) < len(keys)  # states recur across the group: anchor groups exist
+    advs = compute_advantages("gigpo", trees, groups)
+    assert any(x != 0.0 for g in advs for a in g for x in a)  # invalid-move penalties differ
+    samples, sample_advs = turn_samples(trees, groups, advs)
+    for group, group_advs, trajs, whole in zip(samples, sample_advs, groups, advs, strict=True):
+        expected = []
+        for t, a in zip(trajs, whole, strict=True):
+            for node in t.nodes[1:]:
+                expected.append(
+                    [
+                        x
+                        for o, m, x in zip(t.node_of_token, t.loss_mask, a, strict=True)
+                        if m and o == node
+                    ]
+                )
+        got = [
+            [x for x, m in zip(a, s.loss_mask, strict=True) if m]
+            for s, a in zip(group, group_advs, strict=True)
+        ]
+        assert got == expected
