@@ -16,7 +16,8 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
   the budget room for several rounds of each method (e.g. 2 x G x the mean episode length).
 
 Policy strength is swept by sampling temperature (`--temperatures`) and, optionally, by warm
-starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`): a level
+starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`;
+`tiny-warm@0.6` is the config's warm start rebuilt with `policy.warm.expert_prob=0.6`): a level
 is one (policy, temperature), named by its base success rate, flat sampling's (`grpo`) success
 rate there. Choose levels that take it from about 2% to about 60% (the summary prints it per
 level; add levels and rerun: finished ones are kept). Methods use their controllers' defaults,
@@ -195,10 +196,12 @@ def measure_policy(
 ) -> None:
     """The `todo` (method, temperature) runs of one policy, on one engine."""
     out, label = Path(args.out), args.label
+    path, _, expert_prob = policy.partition("@")
+    warm = [f"policy.warm.expert_prob={expert_prob}"] if expert_prob else []
     cfg = load_config(
         args.config,
-        select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": policy},
-        overrides=[*args.set, f"seed={args.seed}"],
+        select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": path},
+        overrides=[*args.set, *warm, f"seed={args.seed}"],
     )
     rt = Runtime(cfg, log=lambda s: print(s, flush=True))
     try:
@@ -282,7 +285,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--label", default=None, help="the env's name in the results")
     ap.add_argument(
-        "--policy", nargs="+", default=["tiny-warm"], help="tiny-warm, tiny, paths or hub ids"
+        "--policy",
+        nargs="+",
+        default=["tiny-warm"],
+        help="tiny-warm, tiny, paths or hub ids; tiny-warm@P is the warm start built with "
+        "policy.warm.expert_prob=P (a warm start of another skill, built once and cached)",
     )
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
