@@ -79,8 +79,24 @@ def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
         # Sample in the trainer's dtype (vLLM's "auto" may pick bfloat16 for a float32
         # checkpoint), so sampled and recomputed log-probs agree.
         kwargs = {"dtype": str(model.dtype).removeprefix("torch."), **e.vllm}
+        if cfg.train.lora.r and "enable_lora" not in e.vllm:
+            kwargs.update(vllm_lora_kwargs(cfg.train.lora.r))
         engine = _vllm_engine(path, tokenizer, cfg.seed, kwargs)
     return engine, model, tokenizer
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM can reserve room for (`max_lora_rank`)."""
+
+
+def vllm_lora_kwargs(r: int) -> dict[str, Any]:
+    """`vllm.LLM` arguments for a trainer's LoRA adapters of rank `r`, synced unmerged: one
+    adapter serves every request, and a second slot in host memory lets the next sync load
+    before the previous adapter is removed."""
+    fits = [k for k in VLLM_LORA_RANKS if k >= r]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to 512; train.lora.r is {r}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
 
 
 def resolve_backend(backend: str) -> str:
