@@ -108,7 +108,7 @@ def test_an_update_reaches_the_engine_as_an_adapter(trainer, engine, smollm2: Pa
     assert engine.stats.extra["weight_syncs"] == syncs + 1
     assert metrics["rollout/trajectories"] > 0
     # SmolLM2: 30 blocks, 576 wide, 1536 MLP, 3 KV heads of 64 -> 9,768,960 bytes, against
-    # 538 MB for the merged fp32 weights the full sync would send
+    # 651 MB for the merged fp32 weights the full sync would send (tied embedding twice)
     assert engine.stats.extra["weight_sync_bytes"] == adapter_bytes(smollm2, R) == 9_768_960
     # an update that surely moves the adapters: the first trajectory of the group wins
     trees, _ = trainer.rt.rollouts.rollout(trainer.next_tasks(1))
