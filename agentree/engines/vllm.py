@@ -118,6 +118,7 @@ class VLLMEngine:
         )
         self._closed = False
         self.startup_s = time.perf_counter() - t0
+        self._shapes = checkpoint_shapes(path)
         self.in_process = is_in_process(self.llm)
         mc = self.llm.llm_engine.model_config
         self._max_len = int(mc.max_model_len)
@@ -209,6 +210,15 @@ class VLLMEngine:
 
     def _sync_full(self, model: Any) -> None:
         state = model.state_dict()
+        for name, t in state.items():
+            # vLLM's loaders assert on a wrong shape, which ends the engine: refuse it here
+            want = self._shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise ValueError(
+                    f"cannot sync {name} of shape {tuple(t.shape)} into the engine, whose "
+                    f"checkpoint has {want}: sync a model of the engine's architecture and "
+                    "vocabulary"
+                )
         if self.in_process:
             payload: list[Any] = [(name, t.detach()) for name, t in state.items()]
         else:
@@ -430,6 +440,20 @@ def start_llm(
     if not is_in_process(llm):
         llm.collective_rpc("agentree_watch_client", args=(os.getpid(),))
     return llm
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a local safetensors checkpoint, read from its headers (empty for a hub
+    id or another format)."""
+    # deferred: safetensors is only needed once an engine has started
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    return shapes
 
 
 def is_in_process(llm: Any) -> bool:
