@@ -79,7 +79,10 @@ def build_engine(cfg: ExperimentConfig, path: str) -> tuple[Any, Any, Any]:
         # Sample in the trainer's dtype (vLLM's "auto" may pick bfloat16 for a float32
         # checkpoint), so sampled and recomputed log-probs agree.
         kwargs = {"dtype": str(model.dtype).removeprefix("torch."), **e.vllm}
-        if cfg.train.lora.r and "enable_lora" not in e.vllm:
+        # LoRA adapters go to this engine unmerged; Ray's replicas hold plain models and get
+        # merged weights from the driver, which then needs no adapter support either
+        local = cfg.distributed.backend == "local"
+        if cfg.train.lora.r and local and "enable_lora" not in e.vllm:
             kwargs.update(vllm_lora_kwargs(cfg.train.lora.r))
         engine = _vllm_engine(path, tokenizer, cfg.seed, kwargs)
     return engine, model, tokenizer
