@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config("frozenlake_patr", select={"policy": args.policy})
     path = resolve_policy(cfg, log=lambda m: None)
     t0 = time.perf_counter()
-    engine = VLLMEngine(path, dtype="float32", **vllm_lora_kwargs(args.r))
+    kv = {} if args.kv_share is None else {"gpu_memory_utilization": args.kv_share}
+    engine = VLLMEngine(path, dtype="float32", **vllm_lora_kwargs(args.r), **kv)
     startup = time.perf_counter() - t0
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="tiny")
     ap.add_argument("--r", type=int, default=8)
     ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument(
+        "--kv-share",
+        type=float,
+        help="vLLM's gpu_memory_utilization (on CPU: the share of host memory for the KV cache)",
+    )
     print(json.dumps(run(ap.parse_args(argv)), indent=2))
     return 0
 
