@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     startup = time.perf_counter() - t0
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        peft = add_lora(model, LoraSettings(r=args.r))
+        parameters = sum(p.numel() for p in model.parameters())
+        peft = add_lora(model, LoraSettings(r=args.r))  # wraps `model`'s layers in place
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in peft.named_parameters():
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {
             "policy": args.policy,
             "r": args.r,
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": parameters,
             "startup_s": round(startup, 1),
         }
         build = {
