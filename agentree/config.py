@@ -197,8 +197,16 @@ class TrainConfig(_Section):
     """Tokens per slice of the output layer in the loss (0: all at once); the fp32 logits
     then exist for one slice at a time, recomputed in the backward pass."""
 
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Rollout importance sampling (verl's rollout IS, truncated IS): weight each token's
+    policy-gradient term by min(pi_old / mu, rollout_is_cap), the ratio between the trainer's
+    old-policy log-probs and the sampling engine's (mu), per token or per sequence; none: off."""
+    rollout_is_cap: float = Field(2.0, gt=0.0)
+    """Truncation of the rollout IS weights (verl: 2; token level 1.5-5, sequence level 2-10)."""
+
     async_steps: int = Field(0, ge=0, le=1)
-    """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs)."""
+    """1: roll out step t+1 while step t trains (staleness 1, pi_old = sampling log-probs, or
+    the trainer's with `rollout_is`)."""
 
     def advantage_kwargs(self) -> dict[str, Any]:
         """The options `compute_advantages` takes for `advantage`: `advantage_options`, plus

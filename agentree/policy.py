@@ -104,6 +104,11 @@ def build_engine(
         # Sample in the trainer's dtype (vLLM's "auto" may pick bfloat16 for a float32
         # checkpoint), so sampled and recomputed log-probs agree.
         kwargs: dict[str, Any] = {"dtype": str(model.dtype).removeprefix("torch.")}
+        # LoRA adapters go to this engine unmerged; Ray's replicas hold plain models and get
+        # merged weights from the driver, which then needs no adapter support either
+        local = cfg.distributed.backend == "local"
+        if cfg.train.lora.r and local and "enable_lora" not in cfg.engine.vllm:
+            kwargs.update(vllm_lora_kwargs(cfg.train.lora.r))
     else:
         # deferred: transformers takes seconds to import; the CLI imports this module at start
         from transformers import AutoTokenizer
@@ -125,6 +130,20 @@ def hf_engine(model: Any, tokenizer: Any, e: EngineConfig, seed: int) -> Engine:
         model, tokenizer, prefix_cache_mb=e.prefix_cache_mb, max_batch_size=e.max_batch_size,
         seed=seed,
     )  # fmt: skip
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM can reserve room for (`max_lora_rank`)."""
+
+
+def vllm_lora_kwargs(r: int) -> dict[str, Any]:
+    """`vllm.LLM` arguments for a trainer's LoRA adapters of rank `r`, synced unmerged: one
+    adapter serves every request, and a second slot in host memory lets the next sync load
+    before the previous adapter is removed."""
+    fits = [k for k in VLLM_LORA_RANKS if k >= r]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to 512; train.lora.r is {r}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
 
 
 def resolve_backend(backend: str) -> str:

@@ -3,7 +3,8 @@
 One policy engine for the whole session (start-up takes about a minute on CPU): a trainer built
 with `engine.backend=vllm` owns it. Checks: PATR rollouts through the runtime, log-probs / top-k /
 entropies equal the transformers model's teacher-forced values, stop rules, seeds, the
-emulated decode session, weight updates in place (a perturbed model and a trainer update), the
+emulated decode session, weight updates in place (a perturbed model and a trainer update; a
+model of other shapes refused without harm to the engine), the
 served endpoint answering the judge client, and a close that leaves no engine process. The
 Skywork PRM on vLLM starts its own short-lived engine; the `slow` tests start a client process
 each and kill it (`-m "vllm and not slow"` skips them).
@@ -73,14 +74,15 @@ def teacher_forced(model, prompt: list[int], ids: list[int], temperature: float)
     return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
 
 
-def sampled_drift(trainer, trees, controller=None) -> float:
-    """Largest |trainer-recomputed - sampled| log-prob over every policy token of `trees`."""
+def sampled_drift(trainer, trees, controller=None, model=None) -> float:
+    """Largest |recomputed - sampled| log-prob over every policy token of `trees`, recomputed
+    by `model` (default: the trainer's)."""
     worst = 0.0
     for tree in trees:
         trajs = (controller or trainer.rt.controller).group(tree)
         batch = make_batch(trajs, [[1.0] * len(t.token_ids) for t in trajs], pad=0)
         with torch.no_grad():
-            lp = token_logprobs(trainer.model, batch, trainer.cfg.engine.temperature)
+            lp = token_logprobs(model or trainer.model, batch, trainer.cfg.engine.temperature)
         worst = max(worst, float(((lp - batch.sampled_lp).abs() * batch.mask).max()))
     return worst
 
@@ -143,18 +145,31 @@ def test_stop_strings_stop_ids_and_truncation(trainer, engine) -> None:
         assert int(ranks.max()) < 5
 
 
-def test_seeds_repeat_and_equal_prompts_differ(engine) -> None:
-    prompt = prompt_ids(engine.tokenizer)
-    p = SamplingParams(max_tokens=12, seed=7)
-    a = engine.generate([prompt, prompt], p)
-    b = engine.generate([prompt, prompt], p)
-    assert [c[0].token_ids for c in a] == [c[0].token_ids for c in b]
-    assert a[0][0].token_ids != a[1][0].token_ids  # identical prompts, separate draws
-    q = SamplingParams(max_tokens=12)
-    engine.seed(11)
-    x = engine.generate([prompt], q)[0][0].token_ids
-    engine.seed(11)
-    assert engine.generate([prompt], q)[0][0].token_ids == x
+def test_seeds_repeat_and_equal_prompts_differ(trainer, engine) -> None:
+    """On a policy with broad next-token distributions: the trained default policy is peaked
+    enough that identical prompts often draw the same short reply, so its output layer is
+    scaled down 50x (logits / 50: close to uniform over the vocabulary), where two draws of 12
+    tokens agree by chance with probability far below 1e-6."""
+    broad = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        broad.get_output_embeddings().weight.mul_(0.02)
+    engine.sync_weights(broad)  # the same architecture: swapped in place
+    try:
+        prompt = prompt_ids(engine.tokenizer)
+        p = SamplingParams(max_tokens=12, seed=7)
+        a = engine.generate([prompt, prompt], p)
+        b = engine.generate([prompt, prompt], p)
+        assert [c[0].token_ids for c in a] == [c[0].token_ids for c in b]
+        assert a[0][0].token_ids != a[1][0].token_ids  # identical prompts, separate draws
+        q = SamplingParams(max_tokens=12)
+        engine.seed(11)
+        x = engine.generate([prompt], q)[0][0].token_ids
+        engine.seed(11)
+        assert engine.generate([prompt], q)[0][0].token_ids == x
+        engine.seed(12)
+        assert engine.generate([prompt], q)[0][0].token_ids != x
+    finally:
+        engine.sync_weights(trainer.model)
 
 
 def test_session_matches_the_transformers_session(trainer, engine) -> None:
@@ -209,6 +224,12 @@ def test_weight_sync_changes_outputs_in_place(trainer, engine) -> None:
     assert after.logprobs == pytest.approx(expected.logprobs, abs=TOL)
     engine.sync_weights(trainer.model)
     assert engine.generate([prompt], greedy)[0][0].token_ids == before.token_ids
+    # a model of another vocabulary is refused with a sentence, and the engine lives on
+    wider = copy.deepcopy(trainer.model)
+    wider.resize_token_embeddings(wider.config.vocab_size + 64)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.sync_weights(wider)
+    assert engine.generate([prompt], greedy)[0][0].token_ids == before.token_ids
 
 
 def test_trainer_updates_reach_the_engine(trainer, engine) -> None:
@@ -226,11 +247,7 @@ def test_trainer_updates_reach_the_engine(trainer, engine) -> None:
     trainer.rt.engine.sync_weights(trainer.model)  # what train_step does after its update
     trees, _ = trainer.rt.rollouts.rollout(trainer.next_tasks(2))
     assert sampled_drift(trainer, trees) < TOL  # sampled by the updated weights
-    trainer.model, old = old, trainer.model
-    try:
-        assert sampled_drift(trainer, trees) > 10 * TOL  # ...which differ from the old ones
-    finally:
-        trainer.model = old
+    assert sampled_drift(trainer, trees, model=old) > 10 * TOL  # ...which differ from the old
 
 
 def test_served_endpoint_answers_the_judge(trainer, engine) -> None:

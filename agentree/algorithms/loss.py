@@ -19,6 +19,18 @@ aggregated as `token-mean` (DAPO Eq. 8, TreePO Eq. 1: sum over every policy toke
 divided by their number) or `seq-mean` (GRPO/PATR Eq. 2: mean over each sequence's tokens,
 then over sequences). Tensors are [batch, seq]; `mask` is 1 on policy tokens.
 
+Rollout importance sampling (`rollout_is_weights`): the engine that sampled (vLLM in bf16, or
+the weights of one update ago) is not exactly pi_old, the policy the trainer recomputes. As
+verl's rollout IS / truncated importance sampling (TIS) does, each token's policy-gradient term
+can be weighted by the truncated ratio between the two, a constant of the objective:
+
+    token:     w_t = min(pi_old(y_t) / mu(y_t), cap)
+    sequence:  w_t = min(prod_s pi_old(y_s) / mu(y_s), cap)    (the same for every token of y)
+    l_t = w_t * l_t^PPO + kl_coef * k3_t
+
+with mu the behaviour (sampling) policy whose log-probs the tree stores. Under a sample of y ~ mu
+and no truncation the weighted gradient is the on-policy one, E_mu[w grad] = E_pi_old[grad].
+
 Gradient accumulation: pass `normalizer` = `loss_normalizer(mask, agg)` summed over all the
 micro-batches of one optimiser step. Each micro-batch loss is then its share of the full-batch
 loss, and summing their gradients gives exactly the full-batch gradient.
@@ -33,6 +45,8 @@ from torch import Tensor
 
 Aggregation = Literal["token-mean", "seq-mean"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean")
+RolloutIS = Literal["none", "token", "sequence"]
+ROLLOUT_IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence")
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -94,9 +108,11 @@ def policy_loss(
     entropy: Tensor | None = None,
     clip_ratio_c: float | None = 3.0,
     log_ratio_clamp: float | None = 20.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped-ratio policy loss with asymmetric clip, dual-clip, log-ratio clamp and optional
     k3 KL; see the module doc. `clip_ratio_c` or `log_ratio_clamp` None turns that one off.
+    `is_weights` (from `rollout_is_weights`) scale each token's policy-gradient term, not its KL.
 
     Returns the scalar loss (differentiable w.r.t. `logprobs` only: old log-probs, advantages
     and the reference are constants of the objective) and detached metrics averaged over this
@@ -105,10 +121,13 @@ def policy_loss(
     tokens whose loss the dual-clip bound replaces), KL to the reference and entropy if given.
     """
     shapes = {t.shape for t in (logprobs, old_logprobs, advantages, mask)}
-    if ref_logprobs is not None:
-        shapes.add(ref_logprobs.shape)
+    for extra in (ref_logprobs, is_weights):
+        if extra is not None:
+            shapes.add(extra.shape)
     if len(shapes) != 1:
-        raise ValueError(f"logprobs, old_logprobs, advantages, mask, ref differ in shape: {shapes}")
+        raise ValueError(
+            f"logprobs, old_logprobs, advantages, mask, ref, is_weights differ in shape: {shapes}"
+        )
     if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
@@ -133,6 +152,8 @@ def policy_loss(
         bound = -clip_ratio_c * adv  # c |A| where A < 0
         dual = (adv < 0) & (per_token > bound)
         per_token = torch.where(dual, bound, per_token)
+    if is_weights is not None:
+        per_token = per_token * torch.where(on, is_weights.detach().to(logprobs.dtype), zero)
     kl = None
     if ref_logprobs is not None:
         kl = k3_kl(torch.where(on, ref_logprobs.detach() - logprobs, zero))
@@ -154,6 +175,48 @@ def policy_loss(
         if entropy is not None:
             metrics["train/entropy"] = masked_mean(entropy, on)
     return loss, {k: float(v) for k, v in metrics.items()}
+
+
+def rollout_is_weights(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    level: RolloutIS,
+    cap: float,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance weights pi_old / mu per token (`level` token) or per sequence
+    (`sequence`, broadcast over its tokens), capped at `cap`; see the module doc.
+
+    The log-ratio is clamped at +-`log_ratio_clamp` before exp() (verl's safety bound), so a
+    token the sampler found nearly impossible cannot overflow. Returns the [batch, seq] weights
+    (0 off the mask, no gradient) and per-token statistics for the logs: `w` (the weights used),
+    `raw` (before the cap), `clipped` (1 where the cap binds) and `k3` (a k3 estimate of
+    KL(mu || pi_old) from samples of mu), all zero off the mask.
+    """
+    if level not in ROLLOUT_IS_LEVELS or level == "none":
+        raise ValueError(f"rollout IS level must be token or sequence, got {level!r}")
+    if cap <= 0.0:
+        raise ValueError(f"the rollout IS cap must be > 0 (verl: 2), got {cap}")
+    on = mask.bool()
+    # at least fp32: bf16 log-probs would round the ratio before the cap
+    dtype = torch.promote_types(old_logprobs.dtype, torch.float32)
+    zero = torch.zeros_like(old_logprobs, dtype=dtype)
+    with torch.no_grad():
+        log_ratio = torch.where(on, old_logprobs.to(dtype) - rollout_logprobs.to(dtype), zero)
+        k3 = torch.where(on, k3_kl(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)), zero)
+        if level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        raw = torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))
+        w = torch.where(on, raw.clamp(max=cap), zero)
+        stats = {
+            "w": w,
+            "raw": torch.where(on, raw, zero),
+            "clipped": torch.where(on, (raw > cap).float(), zero),
+            "k3": k3,
+        }
+    return w, stats
 
 
 def _check_agg(agg: str) -> None:

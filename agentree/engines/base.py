@@ -8,8 +8,10 @@ recomputes, so importance ratios start at 1 for on-policy data.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 
@@ -129,7 +131,38 @@ class Engine(Protocol):
     def set_rng_state(self, state: Any) -> None: ...
 
     def sync_weights(self, model: Any) -> None:
-        """Load the trainer's current weights (no-op when the engine shares the model)."""
+        """Load the trainer's current weights (no-op when the engine shares the model): a
+        model, anything with `.state_dict()`, or a `LoraAdapter` where the engine says
+        `accepts_adapters`."""
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class LoraAdapter:
+    """LoRA adapters as peft saves them, sent to an engine instead of merged full weights.
+
+    `tensors` are peft's adapter state dict (`...<module>.lora_A.weight` / `.lora_B.weight`,
+    the adapter name left out) and `config` its `adapter_config.json`; `save` writes both in
+    peft's layout, which vLLM's LoRA loader reads. An engine that runs adapters unmerged has
+    `accepts_adapters = True`; `sync_weights(adapter)` then replaces the adapter it samples with.
+    """
+
+    tensors: dict[str, Any]
+    config: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of adapter weights one sync moves."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def save(self, directory: str | Path) -> Path:
+        # deferred: safetensors imports torch; engines that never see an adapter do not pay it
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps(self.config, indent=1))
+        return out

@@ -24,6 +24,11 @@ vLLM's in-place reload (`Worker.reload_weights`, which re-runs each layer's post
 processing, e.g. the CPU backend's packed GEMM weights) and then resets the prefix cache, whose
 KV the old weights computed. No restart. In-process engines get the tensors by reference;
 multi-process engines (vLLM's default) get raw bytes through `collective_rpc`, one host copy.
+With `enable_lora=True` the engine also takes a `LoraAdapter` (`accepts_adapters`): the trainer's
+LoRA A and B matrices alone, written in peft's layout to a private temp directory and loaded as
+a vLLM LoRA adapter under a new id each sync (the previous one is removed); every later request
+samples with it, unmerged. The base weights never move, and the prefix cache needs no reset:
+vLLM keys cached blocks by adapter id.
 
 Sessions. vLLM has no step-wise API, so `open_session` emulates one: each `next_logprobs()` is
 one 1-token request per distinct row asking for the full-vocabulary log-probs at temperature 1
@@ -45,7 +50,9 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -58,7 +65,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.engines.base import Completion, EngineStats, LoraAdapter, SamplingParams
 
 EXACT_ENTROPY_VOCAB = 4096
 """Vocabularies up to this size get exact entropies (full-vocabulary log-probs) by default."""
@@ -94,6 +101,10 @@ class VLLMEngine:
         self.stats.extra.update(weight_syncs=0, requests=0)
         self._rng = random.Random(seed)
         self._closed = True
+        self.accepts_adapters = bool(llm_kwargs.get("enable_lora"))
+        """Whether `sync_weights` takes a `LoraAdapter` (vLLM started with enable_lora)."""
+        self._lora: Any = None  # the LoRARequest every request samples with
+        self._lora_dir: str | None = None
         t0 = time.perf_counter()
         self.llm = start_llm(
             path,
@@ -107,6 +118,7 @@ class VLLMEngine:
         )
         self._closed = False
         self.startup_s = time.perf_counter() - t0
+        self._shapes = checkpoint_shapes(path)
         self.in_process = is_in_process(self.llm)
         mc = self.llm.llm_engine.model_config
         self._max_len = int(mc.max_model_len)
@@ -185,18 +197,59 @@ class VLLMEngine:
         self._rng.setstate(state)
 
     def sync_weights(self, model: Any) -> None:
-        """Load `model`'s current weights into the running engine, then drop the stale cache."""
+        """Load `model`'s current weights into the running engine, then drop the stale cache;
+        a `LoraAdapter` replaces the adapter requests sample with instead."""
         self._check_open()
         t0 = time.perf_counter()
+        if isinstance(model, LoraAdapter):
+            self._sync_adapter(model)
+        else:
+            self._sync_full(model)
+        self.stats.extra["weight_syncs"] += 1
+        self.stats.extra["weight_sync_s"] = time.perf_counter() - t0
+
+    def _sync_full(self, model: Any) -> None:
         state = model.state_dict()
+        for name, t in state.items():
+            # vLLM's loaders assert on a wrong shape, which ends the engine: refuse it here
+            want = self._shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise ValueError(
+                    f"cannot sync {name} of shape {tuple(t.shape)} into the engine, whose "
+                    f"checkpoint has {want}: sync a model of the engine's architecture and "
+                    "vocabulary"
+                )
         if self.in_process:
             payload: list[Any] = [(name, t.detach()) for name, t in state.items()]
         else:
             payload = [_pack(name, t) for name, t in state.items()]
         self.llm.collective_rpc("agentree_load_weights", args=(payload,))
         self.llm.reset_prefix_cache()
-        self.stats.extra["weight_syncs"] += 1
-        self.stats.extra["weight_sync_s"] = time.perf_counter() - t0
+        self.stats.extra["weight_sync_bytes"] = sum(
+            t.numel() * t.element_size() for t in state.values()
+        )
+
+    def _sync_adapter(self, adapter: LoraAdapter) -> None:
+        if not self.accepts_adapters:
+            raise ValueError(
+                "this vLLM engine was started without enable_lora; pass engine.vllm.enable_lora="
+                "true or sync merged weights"
+            )
+        # deferred: vllm is the optional [vllm] extra
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="agentree-lora-")
+        old = self._lora
+        new_id = 1 if old is None else old.lora_int_id + 1
+        path = adapter.save(Path(self._lora_dir) / f"v{new_id}")
+        request = LoRARequest(f"agentree-v{new_id}", new_id, str(path))
+        self.llm.llm_engine.add_lora(request)  # loaded now: the sync's cost is paid here
+        self._lora = request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.stats.extra["weight_sync_bytes"] = adapter.nbytes
 
     def close(self) -> None:
         """Shut the engine down (child processes included); idempotent."""
@@ -204,8 +257,12 @@ class VLLMEngine:
             return
         self._closed = True
         llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            stop_llm(llm)
+        try:
+            if llm is not None:
+                stop_llm(llm)
+        finally:
+            if self._lora_dir is not None:
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -244,7 +301,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in inputs]
-        outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        outs = self.llm.generate(prompts, sps, use_tqdm=False, lora_request=self._lora)
         self.stats.extra["requests"] += len(outs)
         for prompt, out in zip(inputs, outs, strict=True):
             cached = int(out.num_cached_tokens or 0)
@@ -383,6 +440,20 @@ def start_llm(
     if not is_in_process(llm):
         llm.collective_rpc("agentree_watch_client", args=(os.getpid(),))
     return llm
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a local safetensors checkpoint, read from its headers (empty for a hub
+    id or another format)."""
+    # deferred: safetensors is only needed once an engine has started
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    return shapes
 
 
 def is_in_process(llm: Any) -> bool:

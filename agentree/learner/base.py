@@ -8,8 +8,9 @@ the implementation (`make_learner`):
   this machine, by torchrun or as Ray actors: `agentree.learner.launch`,
   `agentree.distributed.ranks`), LoRA adapters, bf16 mixed precision, activation checkpointing
   (`agentree.learner.sharding`). Rank 0 gathers the trained weights (adapters only, with LoRA) into
-  its engine's model; the engine runs the same adapters in place (transformers) or receives base +
-  B A merged (vLLM).
+  its engine's model; the engine runs the same adapters in place (transformers), receives the
+  adapters alone and applies them unmerged (vLLM with LoRA enabled, a new adapter id per sync),
+  or receives base + B A merged (an engine without adapter support).
 
 Both write one checkpoint format (`save`, `load`): `dcp/` is a distributed checkpoint of the
 trainable weights (adapters only, with LoRA), the optimiser and a separate KL reference, which
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentree.config import ExperimentConfig, TrainConfig
-from agentree.learner.lora import ADAPTER_DIR, add_lora, plain_state_dict
+from agentree.learner.lora import ADAPTER_DIR, add_lora, lora_adapter, plain_state_dict
 from agentree.learner.sharding import (
     ShardedUpdate,
     broadcast_object,
@@ -216,6 +217,8 @@ class ShardedLearner(Learner):
         self.engine_adapter.load_state_dict(state, strict=False)
         if type(self.rt.engine).__name__ == "HFEngine":
             return self.rt.model  # the engine's own module, adapters in place
+        if getattr(self.rt.engine, "accepts_adapters", False):
+            return lora_adapter(self.engine_adapter)  # A and B only, applied unmerged
         return _Weights(plain_state_dict(self.engine_adapter))
 
     def save(self, tmp: Path) -> None:

@@ -7,10 +7,12 @@ its adapters switched off (`disable_adapter()`), so no second copy of the weight
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from agentree.config import LoraSettings
+from agentree.engines.base import LoraAdapter
 
 ADAPTER_DIR = "adapter"
 """Sub-directory of a checkpoint that holds the peft adapter."""
@@ -87,3 +89,23 @@ def plain_state_dict(model: Any) -> dict[str, Any]:
         return dict(state)
     (lc,) = adapters.values()  # add_lora makes one adapter
     return merged_state_dict(state, lc.lora_alpha / lc.r)
+
+
+def lora_adapter(model: Any) -> LoraAdapter:
+    """A peft model's adapters as an engine loads them unmerged (vLLM's LoRA): the A and B
+    matrices and the adapter config, a small fraction of the model's bytes."""
+    # deferred: peft is the optional [train] extra
+    from peft import get_peft_model_state_dict
+
+    (lc,) = model.peft_config.values()  # add_lora makes one adapter
+    config = json.loads(json.dumps(lc.to_dict(), default=_jsonable))
+    state = get_peft_model_state_dict(model)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return LoraAdapter(tensors=tensors, config=config)
+
+
+def _jsonable(value: Any) -> Any:
+    """peft's config holds sets (target modules) and enums; adapter_config.json holds lists."""
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return str(value)

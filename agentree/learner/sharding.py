@@ -191,6 +191,14 @@ class ShardedUpdate(PolicyUpdate):
         dist.all_reduce(t)
         return t.tolist()
 
+    def global_max(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def batches(self, trees: list[Tree], groups: list[list[Trajectory]]) -> list[Batch]:
         micro = super().batches(trees, groups)
         if self.world == 1:

@@ -7,7 +7,11 @@ current weights, so its log-probs are the detached ones of the training forward 
 pass. Otherwise pi_old is recomputed once before the first optimiser step, as verl does. For stale
 data (`stale=True`: sampled by weights older than the current ones, `train.async_steps=1`)
 pi_old is the behaviour policy itself, i.e. the sampling log-probs stored in the tree, so the
-ratio corrects for the staleness instead of hiding it. The loss
+ratio corrects for the staleness instead of hiding it. With `train.rollout_is` on, pi_old is
+the trainer's own (recomputed for stale data too, as decoupled PPO does) and the gap to the
+sampler is corrected instead by the truncated importance weights of
+`agentree.algorithms.loss.rollout_is_weights`, whose statistics are logged every step
+(`train/rollout_is_mean`, `_max`, `_min`, `_clipped_frac`, `_ess`, `train/rollout_kl`). The loss
 normaliser of each optimiser step is computed over all of its micro-batches, so gradient
 accumulation gives the gradient of the whole minibatch. Micro-batches are padded rows or
 tree-packed rows (`train.packing`, `agentree.algorithms.packing`); both give the loss the same
@@ -25,7 +29,7 @@ import torch
 
 from agentree.algorithms.advantages import compute_advantages
 from agentree.algorithms.batching import Batch, turn_samples
-from agentree.algorithms.loss import loss_normalizer, policy_loss
+from agentree.algorithms.loss import loss_normalizer, policy_loss, rollout_is_weights
 from agentree.algorithms.packing import (
     PackedBatch,
     attention_break_even,
@@ -70,6 +74,10 @@ class PolicyUpdate:
         """Sums over the data-parallel ranks; one process holds the whole batch."""
         return values
 
+    def global_max(self, values: list[float]) -> list[float]:
+        """Maxima over the data-parallel ranks; one process holds the whole batch."""
+        return values
+
     def batches(
         self, trees: list[Tree], groups: list[list[Trajectory]]
     ) -> list[Batch] | list[PackedBatch]:
@@ -93,12 +101,13 @@ class PolicyUpdate:
         lc = tc.logits_chunk  # tokens per output-layer slice (0: all at once)
         micro = self.batches(trees, groups)
         on_policy = tc.epochs == 1 and tc.minibatches == 1 and not stale
+        correct = tc.rollout_is != "none"  # pi_old is the trainer's; weights bridge to mu
         old: list[torch.Tensor | None] = []
         ref: list[torch.Tensor | None] = []
         with torch.no_grad():
             self.model.eval()
             for b in micro:
-                if stale:
+                if stale and not correct:
                     old.append(b.sampled_lp.float())
                 else:
                     old.append(None if on_policy else batch_logprobs(self.model, b, temp, lc).cpu())
@@ -108,6 +117,8 @@ class PolicyUpdate:
         (n_tok,) = self.global_sum([float(sum(b.mask.sum() for b in micro))])
         drift = 0.0
         sums: dict[str, float] = {}
+        is_sums = dict.fromkeys(("w", "w2", "clipped", "k3"), 0.0)
+        is_max = [0.0, -math.inf]  # largest raw weight, and minus the smallest
         self.model.train()
         dev = next(self.model.parameters()).device
         for epoch in range(tc.epochs):
@@ -129,6 +140,17 @@ class PolicyUpdate:
                     if epoch == 0:  # stale data: drift of the current weights from the sampler
                         cur = (lp.detach() if stale else old_lp).cpu()
                         drift += float(((cur - b.sampled_lp).abs() * b.mask).sum())
+                    is_w = None
+                    if correct:
+                        is_w, st = rollout_is_weights(
+                            old_lp,
+                            b.sampled_lp.to(dev),
+                            b.mask.to(dev),
+                            level=tc.rollout_is,
+                            cap=tc.rollout_is_cap,
+                        )
+                        if epoch == 0:
+                            _add_is_stats(is_sums, is_max, st, b.mask.to(dev))
                     ref_i = ref[i]
                     loss, met = policy_loss(
                         lp,
@@ -143,6 +165,7 @@ class PolicyUpdate:
                         normalizer=norm,
                         clip_ratio_c=tc.clip_ratio_c,
                         log_ratio_clamp=tc.log_ratio_clamp,
+                        is_weights=is_w,
                     )
                     loss.backward()
                     w = float(b.mask.sum())
@@ -168,4 +191,38 @@ class PolicyUpdate:
         out["train/forward_tokens"] = float(sum(b.ids.numel() for b in micro))
         out["train/packed"] = float(isinstance(micro[0], PackedBatch))
         out["train/lr"] = self.opt.param_groups[0]["lr"]
+        if correct:
+            out.update(self._is_metrics(is_sums, is_max, float(n_tok)))
         return out
+
+    def _is_metrics(
+        self, sums: dict[str, float], top: list[float], n_tok: float
+    ) -> dict[str, float]:
+        """The rollout IS weights of this batch over all ranks: mean, extremes before the cap,
+        the share of tokens the cap binds, the effective sample size mean(w)^2 / mean(w^2)
+        (1: uniform weights) and the k3 estimate of KL(mu || pi_old)."""
+        w, w2, clipped, k3 = self.global_sum([sums[k] for k in ("w", "w2", "clipped", "k3")])
+        hi, neg_lo = self.global_max(top)
+        n = max(n_tok, 1.0)
+        return {
+            "train/rollout_is_mean": w / n,
+            "train/rollout_is_max": hi,
+            "train/rollout_is_min": -neg_lo if n_tok else 0.0,
+            "train/rollout_is_clipped_frac": clipped / n,
+            "train/rollout_is_ess": (w / n) ** 2 / (w2 / n) if w2 else 1.0,
+            "train/rollout_kl": k3 / n,
+        }
+
+
+def _add_is_stats(
+    sums: dict[str, float], top: list[float], st: dict[str, torch.Tensor], mask: torch.Tensor
+) -> None:
+    """Accumulate one micro-batch's rollout IS statistics (sums over its policy tokens)."""
+    on = mask.bool()
+    sums["w"] += float(st["w"].sum())
+    sums["w2"] += float((st["w"] ** 2).sum())
+    sums["clipped"] += float(st["clipped"].sum())
+    sums["k3"] += float(st["k3"].sum())
+    if on.any():
+        top[0] = max(top[0], float(st["raw"][on].max()))
+        top[1] = max(top[1], float(-st["raw"][on].min()))

@@ -12,8 +12,10 @@ policy, and agg is DAPO's token-mean or GRPO's sequence-mean.
 
 Differences from the papers, on purpose:
 - pi_old is recomputed with the current weights before the update, as verl does; the sampling
-  log-probs are kept only to measure drift (`train/logprob_drift`), which stays ~0 because
-  trajectories are the exact sampled ids (no re-tokenisation).
+  log-probs are kept to measure drift (`train/logprob_drift`), which stays ~0 because
+  trajectories are the exact sampled ids (no re-tokenisation), and, with `train.rollout_is`,
+  to weight each token by the truncated ratio pi_old / pi_sampler (verl's rollout IS) where
+  the sampling engine differs from the trainer (vLLM in bf16, stale weights).
 - DAPO dynamic sampling (optional) drops groups whose rewards are all equal and refills the
   batch with fresh tasks, for at most `max_refill_rounds` extra rollouts per step.
 - For off-policy data, verl's dual-clip (`train.clip_ratio_c`) and log-ratio clamp
