@@ -24,6 +24,7 @@ run() {  # label config budget policies...
         --batch 8 --set engine.prefix_cache_mb=256 --policy "$@"
 }
 # budgets: one round of flat GRPO's group (G=8) at about the turn limit
-run babyai babyai_patr 256 tiny-warm tiny-warm@0.6 tiny-warm@0.9
 run frozenlake8 frozenlake8_patr 128 tiny-warm tiny-warm@0.5 tiny-warm@0.9
 run sokoban2 sokoban2_patr 112 tiny-warm tiny-warm@0.5 tiny-warm@0.9
+# BabyAI last: 32 turns of about 60 tokens each make its rollouts the slowest by far
+run babyai babyai_patr 256 tiny-warm tiny-warm@0.6 tiny-warm@0.9
