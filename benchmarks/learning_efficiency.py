@@ -1,10 +1,12 @@
 """Do trees learn faster? Held-out success against rollout budget, from the warm-started policy.
 
-FrozenLake 4x4 (`--case frozenlake`) and Sokoban 6x6 with one box (`--case sokoban`, or
-`--env sokoban`): `patr`, `tree-random`, `grpo`, `arpo`, `gigpo` (GiGPO's advantage over flat
-groups, as published), `tree-grpo` (Tree-GRPO's tree and intra+inter-tree advantage), `tsr`
-(TSR's beam search, optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's advantage),
-trained from the env's warm-started tiny policy (`policy.path: tiny-warm`) on the same maps.
+FrozenLake 4x4 (`--case frozenlake`), Sokoban 6x6 with one box (`--case sokoban`, or
+`--env sokoban`) and the long-horizon configs from low-success warm starts (`--case
+frozenlake8`, `sokoban2`, `babyai`): `patr`, `tree-random`, `grpo`, `arpo`, `gigpo` (GiGPO's
+advantage over flat groups, as published), `tree-grpo` (Tree-GRPO's tree and intra+inter-tree
+advantage), `tsr` (TSR's beam search, optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's
+advantage), trained from the env's warm-started tiny policy (`policy.path: tiny-warm`) on the same
+maps.
 
 Budgets are matched in env steps per optimiser step, not in group sizes: B is the env steps
 PATR's default tree spends per task and E the warm policy's episode length (turns per
@@ -35,6 +37,8 @@ build for every seed, so per-seed results pair up across methods.
 
     python benchmarks/learning_efficiency.py --seeds 0 1 2 3 4 --out DIR             # frozenlake
     python benchmarks/learning_efficiency.py --seeds 0 1 2 3 4 --out DIR --env sokoban
+    python benchmarks/learning_efficiency.py --seeds 0 1 2 3 4 --out DIR --case frozenlake8 \
+        --steps 60                                           # long horizon: 8x8, 16 turns
     python benchmarks/learning_efficiency.py --seeds 0 --out DIR --steps 2 --eval-every 1 \
         --eval-tasks 4 --methods grpo gigpo                                             # smoke
 
@@ -126,6 +130,28 @@ CASES: dict[str, dict[str, Any]] = {
         "config": "sokoban_patr",
         "budget_per_task": 48,
         "turns": 8.0,
+        "budget": "rollout/env_steps",
+        "xlabel": "env steps",
+    },
+    # the long-horizon configs, from low-success warm starts (docs/results/long-horizon.md)
+    "frozenlake8": {
+        "config": "frozenlake8_patr",
+        "budget_per_task": 64,
+        "turns": 12.0,
+        "budget": "rollout/env_steps",
+        "xlabel": "env steps",
+    },
+    "sokoban2": {
+        "config": "sokoban2_patr",
+        "budget_per_task": 56,
+        "turns": 12.0,
+        "budget": "rollout/env_steps",
+        "xlabel": "env steps",
+    },
+    "babyai": {
+        "config": "babyai_patr",
+        "budget_per_task": 128,
+        "turns": 30.0,
         "budget": "rollout/env_steps",
         "xlabel": "env steps",
     },
