@@ -26,7 +26,6 @@ from agentree.distributed.ranks import launch_on_ray
 from agentree.envs.base import env_class
 from agentree.learner.launch import spawn_ranks
 from agentree.models.sft import SFTConfig, load_examples, run_sft
-from agentree.models.warm import walker_baseline
 from agentree.policy import resolve_policy
 from agentree.rollout.base import action_format, describe_action_format
 from agentree.run.evaluation import run_eval
@@ -34,6 +33,7 @@ from agentree.run.outputs import claim, mark
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
 from agentree.run.runtime import Runtime
+from agentree.run.summary import run_summary, write_summary
 from agentree.signals import interrupt_on_sigterm
 from agentree.tree import save_trees
 from agentree.viewer.pages import add_view_command
@@ -298,26 +298,21 @@ def train_entry(cfg: Any, resume: bool) -> int:
         trainer.close()
     if rank > 0:
         return 0
-    before = history.get("eval_before", {}).get("eval/success_rate")
-    after = history["eval_after"]["eval/success_rate"]
-    wall = time.perf_counter() - t0
+    sha256 = trainer.rt.policy_sha256 if trainer.rt is not None else None
+    summary = run_summary(cfg, history, wall_s=time.perf_counter() - t0, policy_sha256=sha256)
+    before, after = summary["eval_before"], summary["eval_after"]
     line = f"held-out success rate: {100 * after:.1f}%"
     if before is not None:
         line = (
             f"held-out success rate: {100 * before:.1f}% -> {100 * after:.1f}% "
             f"({100 * (after - before):+.1f} points)"
         )
-    console.print(f"[bold green]{line}[/] in {wall:.0f}s; run directory {run_dir}")
+    console.print(f"[bold green]{line}[/] in {summary['wall_s']:.0f}s; run directory {run_dir}")
     _print_action_format(console, *actions)
-    summary = {"eval_before": before, "eval_after": after, "wall_s": round(wall, 1)}
-    if trainer.rt is not None and trainer.rt.policy_sha256:  # the weights the run started from
-        summary["policy_sha256"] = trainer.rt.policy_sha256
-
-    walker = walker_baseline(cfg)
-    if walker is not None:  # the reference a FrozenLake curve is read against
-        summary["walker_success"] = walker
+    if "walker_success" in summary:
+        walker = summary["walker_success"]
         console.print(f"random-valid-move walker on the same held-out maps: {100 * walker:.1f}%")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_summary(run_dir, summary)
     return 0
 
 

@@ -1,0 +1,39 @@
+"""What a finished training run reports, and writes to `RUN/summary.json`: held-out success
+before and after training, the weights it started from (sha256: one recipe has built
+different weights on different machines), the wall time, and the scripted walker's success on
+the same held-out tasks, the reference a curve is read against (where the env has a walker)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agentree.config import ExperimentConfig
+from agentree.models.warm import walker_baseline
+
+
+def run_summary(
+    cfg: ExperimentConfig,
+    history: dict[str, Any],
+    *,
+    wall_s: float,
+    policy_sha256: str | None = None,
+) -> dict[str, Any]:
+    """The summary of a run whose `Trainer.fit` returned `history`."""
+    before = history.get("eval_before", {}).get("eval/success_rate")
+    summary: dict[str, Any] = {
+        "eval_before": before,
+        "eval_after": history["eval_after"]["eval/success_rate"],
+        "wall_s": round(wall_s, 1),
+    }
+    if policy_sha256:
+        summary["policy_sha256"] = policy_sha256
+    walker = walker_baseline(cfg)
+    if walker is not None:
+        summary["walker_success"] = walker
+    return summary
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
