@@ -53,6 +53,10 @@ class PolicyConfig(_Section):
     """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:1, ..."""
+    tool_format: str = "text"
+    """How the policy writes tool calls for envs with tools (`agentree.tools`): hermes (Qwen,
+    Hermes), llama3_json, pythonic, or text (free-text actions; a tool env reads the generic
+    rendering's hermes calls)."""
 
 
 class EngineConfig(_Section):
@@ -156,8 +160,7 @@ class TrainConfig(_Section):
     """Update layout: tree-packed rows (shared prefixes forwarded once), one padded row per
     trajectory, or auto: whichever `agentree.algorithms.packing.layout_cost` estimates cheaper per
     batch."""
-    save_every: int = Field(50,
-    ge=0)
+    save_every: int = Field(50, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Most recent checkpoints kept on disk."""

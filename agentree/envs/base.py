@@ -19,6 +19,7 @@ import gymnasium
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.registry import Registry
+from agentree.tools import ToolSpec
 
 EVAL_SEED_OFFSET = 1_000_000_000
 """Held-out tasks draw seeds from here up, train tasks from below: the splits never overlap."""
@@ -79,6 +80,19 @@ class Env(gymnasium.Env):
     """Strings that complete an action: the policy's turn ends as soon as it writes one."""
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    # -- tools ------------------------------------------------------------------------------
+    def tools(self) -> list[ToolSpec]:
+        """The functions the policy may call: OpenAI function schemas or typed, documented
+        Python functions (see `agentree.tools`). Empty (the default): free-text actions.
+
+        With tools, `step` receives a `ToolAction`: the raw text (it is a `str`) with `.calls`
+        parsed in the policy's call format and `.error` when the turn is not a well-formed call;
+        `agentree.tools.as_tool_action` parses plain text from scripted policies. An info key
+        `tool_results` (one string per call) delivers the results as one tool message each;
+        otherwise the observation is one tool message.
+        """
+        return []
 
     # -- forking ----------------------------------------------------------------------------
     def snapshot(self) -> Any:

@@ -20,6 +20,8 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.grid import MOVE_TOOL, ActionFormat, example_moves, read_move
+from agentree.tools import ToolSpec
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 _MOVE = re.compile(r"```\s*([A-Za-z]+)\s*```")
@@ -40,6 +42,8 @@ class FrozenLakeConfig(EnvConfig):
     stop_after_move: bool = True
     """End the policy's turn once it has written a complete move (off: the whole response is
     read and its last move counts, as in rLLM)."""
+    action_format: ActionFormat = "text"
+    """text: a ```Move``` block; tools: a call of the `move(direction)` tool."""
 
 
 def generate_map(size: int, p: float, rng: np.random.Generator) -> list[str]:
@@ -96,7 +100,9 @@ class FrozenLakeEnv(Env):
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = FrozenLakeConfig(**kwargs)
-        if self.cfg.stop_after_move:
+        if self.cfg.action_format == "tools":
+            self.system_prompt = prompts.load("frozenlake/system_tools.txt").strip()
+        elif self.cfg.stop_after_move:
             self.stop_sequences = tuple(f"```{a.capitalize()}```" for a in ACTIONS)
         self._lake: GymFrozenLake | None = None
         self._desc: list[str] = []
@@ -126,10 +132,17 @@ class FrozenLakeEnv(Env):
         if self._done:
             raise RuntimeError("episode is over; call reset()")
         self._turn += 1
-        move = parse_action(action)
+        if self.cfg.action_format == "tools":
+            direction, error = read_move(action)
+            move = None if direction is None else ACTIONS[direction]
+        else:
+            move, error = parse_action(action), None
         if move is None:
             reward, terminated = -self.cfg.invalid_penalty, False
-            obs = prompts.render("frozenlake/invalid.txt", grid=self.render_grid())
+            if error is None:
+                obs = prompts.render("frozenlake/invalid.txt", grid=self.render_grid())
+            else:
+                obs = prompts.render("tools/invalid_move.txt", error=error, grid=self.render_grid())
             key = "invalid:" + " ".join(action.split())[:64]
         else:
             _, r, terminated, _, _ = self._lake.step(move)
@@ -187,8 +200,11 @@ class FrozenLakeEnv(Env):
             rows.append(" ".join(cells))
         return "\n".join(rows)
 
+    def tools(self) -> list[ToolSpec]:
+        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
+
     def example_actions(self) -> list[str]:
-        return ["```Right```", "```Down```", "```Left```", "```Up```", "no move"]
+        return example_moves(self.cfg.action_format)
 
     def corpus(self, tasks: list[Task]) -> list[str]:
         """Maps and moves in the proportions the policy sees them (for tiny tokenizers)."""
