@@ -161,9 +161,9 @@ def _subset_problem(value: Any, schema: dict[str, Any], where: str) -> str | Non
             for t in allowed
         )
         if not ok:
-            return f"{prefix}{json.dumps(value)} is not of type {' or '.join(map(repr, allowed))}"
+            return f"{prefix}{value!r} is not of type {', '.join(map(repr, allowed))}"
     if "enum" in schema and value not in schema["enum"]:
-        return f"{prefix}{json.dumps(value)} is not one of {schema['enum']}"
+        return f"{prefix}{value!r} is not one of {schema['enum']}"
     if isinstance(value, dict):
         for key in schema.get("required", []):
             if key not in value:
@@ -175,7 +175,7 @@ def _subset_problem(value: Any, schema: dict[str, Any], where: str) -> str | Non
                 if problem:
                     return problem
             elif schema.get("additionalProperties") is False:
-                return f"{prefix}additional property {key!r} is not allowed"
+                return f"{prefix}Additional properties are not allowed ({key!r} was unexpected)"
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, v in enumerate(value):
             problem = _subset_problem(v, schema["items"], f"{where}/{i}".lstrip("/"))

@@ -285,7 +285,7 @@ class TurnRunner:
             return None
         extra = self.stats.extra
         extra["tool_calls"] = extra.get("tool_calls", 0.0) + len(action.calls)
-        if action.error:
+        if action.error or info.get("format_error"):  # malformed, or refused by the env
             extra["tool_call_errors"] = extra.get("tool_call_errors", 0.0) + 1
         if not action.calls:  # nothing was called: the notice comes back as a user turn
             return None
