@@ -98,7 +98,8 @@ def tool_schema(spec: ToolSpec) -> dict[str, Any]:
             f"a tool must be a function schema like {{'type': 'function', 'function': "
             f"{{'name': ..., 'parameters': {{...}}}}}} or a typed Python function, got {spec!r}"
         )
-    fn = {"parameters": {"type": "object", "properties": {}}, **fn}
+    fn = dict(fn)
+    fn.setdefault("parameters", {"type": "object", "properties": {}})
     return {"type": "function", "function": fn}
 
 

@@ -35,6 +35,7 @@ from agentree.run.evaluation import run_eval
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
 from agentree.run.runtime import Runtime
+from agentree.tools import tool_schemas
 from agentree.tree import save_trees
 from agentree.viewer.pages import add_view_command
 
@@ -445,14 +446,16 @@ def cmd_sft(args: Any) -> int:
     env_name, env_kwargs = cfg.component("env")
     env = env_class(env_name)(**env_kwargs)
     try:
-        system = env.system_prompt
+        system, tools = env.system_prompt, tool_schemas(env.tools())
     finally:
         env.close()
     # deferred: transformers takes seconds to import, which `agentree --help` should not pay for
     from transformers import AutoTokenizer
 
-    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy), cfg.policy.tool_format)
+    examples = load_examples(
+        args.data, chat, min_reward=args.min_reward, system=system, tools=tools
+    )
     sft = SFTConfig(
         epochs=args.epochs,
         lr=args.lr,

@@ -41,15 +41,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentree.envs.base import env_class, validate_env_kwargs
 from agentree.envs.countdown import solve
 from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal
+from agentree.envs.grid import move_call
 from agentree.envs.sokoban import SokobanEnv, shortest_first_moves, solve_moves
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.models.sft import SFTConfig, run_sft
+from agentree.tools import ToolCall, as_tool_action, tool_schemas
 
 WARM_ENVS = ("frozenlake", "countdown", "sokoban")
 BUILD_SETTINGS: dict[str, tuple[str, ...]] = {
-    "frozenlake": ("size", "p", "is_slippery"),
+    "frozenlake": ("size", "p", "is_slippery", "action_format"),
     "countdown": ("min_numbers", "max_numbers", "min_number", "max_number", "max_target"),
 }
 """Per env, the settings a warm build reads: those that change the tasks the expert plays, its
@@ -258,7 +260,7 @@ def expert_steps(
             move = sokoban_move(info["room"], expert_prob, rng)
         else:
             move = scripted_move(info["desc"], tuple(info["pos"]), expert_prob, rng)
-        action = f"```{move}```"
+        action = move_call(move) if env.tools() else f"```{move}```"
         obs, reward, terminated, truncated, info = env.step(action)
         steps.append((action, obs, float(reward), terminated, truncated, info))
         done = terminated or truncated
@@ -268,11 +270,19 @@ def expert_steps(
 def expert_episode(
     env: Any, task: Any, expert_prob: float, rng: random.Random
 ) -> tuple[list[dict[str, str]], bool]:
-    """(chat messages, success) of one episode of the noisy expert (`expert_steps`)."""
+    """(chat messages, success) of one episode of the noisy expert (`expert_steps`). In tool
+    mode the moves are OpenAI `tool_calls` answered by `tool` messages, so `agentree sft`
+    writes them in the policy's call format."""
     (obs, _), steps = expert_steps(env, task, expert_prob, rng)
-    messages = [{"role": "user", "content": obs}]
-    for action, obs, *_ in steps:
-        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
+    for i, (action, obs, *_) in enumerate(steps):
+        if env.tools():
+            (call,) = as_tool_action(action, env.tools()).calls
+            call = ToolCall(call.name, call.arguments, f"call_{i}")
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call.to_openai()]})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": obs})
+        else:
+            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
     return messages[:-1], bool(steps[-1][-1]["success"])
 
 
@@ -307,6 +317,8 @@ def build_key(env_name: str, env_kwargs: dict[str, Any], base: str, warm: WarmCo
     """The cache name of a warm build: what determines its weights (the base policy, the env
     settings the build reads, the warm-start settings), nothing else."""
     kw = build_settings(env_name, env_kwargs)
+    if kw.get("action_format") == "text":  # added after builds were cached: default stays out
+        del kw["action_format"]
     # v3: tiny builds train on one thread (`one_thread`)
     # a setting at its default stays out of the key when it was added after builds were cached
     keep = warm.model_dump(exclude={"pretrain_turns"} if warm.pretrain_turns == "episode" else None)
@@ -356,7 +368,11 @@ def demonstrations(
 
 def single_turns(convs: Sequence[list[dict[str, str]]]) -> list[list[dict[str, str]]]:
     """Every turn of the conversations as its own example: the observation, then the move."""
-    return [c[i : i + 2] for c in convs for i in range(0, len(c) - 1, 2)]
+    return [
+        [{"role": "user", "content": c[i]["content"]}, c[i + 1]]
+        for c in convs
+        for i in range(0, len(c) - 1, 2)
+    ]
 
 
 def warm_policy_for_env(
@@ -391,6 +407,7 @@ def warm_policy_for_env(
         lr: float,
         system: str,
         turns: str = "episode",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         t0 = time.perf_counter()
         convs = demonstrations(env_name, kwargs, expert)
@@ -409,7 +426,9 @@ def warm_policy_for_env(
             f"{name}: fine-tuning on {len(convs)} demonstrations ({turns}s) of the expert at "
             f"{expert.expert_prob} ({epochs} epochs; built once, then cached)"
         )
-        run_sft(start, convs, out, sft, system=system, log=lambda m: log(f"{name}: {m}"))
+        run_sft(
+            start, convs, out, sft, system=system, tools=tools, log=lambda m: log(f"{name}: {m}")
+        )
         log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 
     def write(tmp: Path) -> None:
@@ -420,10 +439,10 @@ def warm_policy_for_env(
 
     def run_phases(tmp: Path) -> None:
         env = cls(**kwargs)
-        system = env.system_prompt
+        system, tools = env.system_prompt, tool_schemas(env.tools())
         env.close()
         if not warm.pretrain_episodes:
-            phase(base, tmp, warm, warm.epochs, warm.lr, system)
+            phase(base, tmp, warm, warm.epochs, warm.lr, system, tools=tools)
             return
         strong = warm.model_copy(
             update={
@@ -434,9 +453,16 @@ def warm_policy_for_env(
         )
         first = tmp / "strong-expert"
         phase(
-            base, first, strong, warm.pretrain_epochs, warm.pretrain_lr, system, warm.pretrain_turns
+            base,
+            first,
+            strong,
+            warm.pretrain_epochs,
+            warm.pretrain_lr,
+            system,
+            warm.pretrain_turns,
+            tools,
         )
-        phase(first, tmp, warm, warm.epochs, warm.lr, system)
+        phase(first, tmp, warm, warm.epochs, warm.lr, system, tools=tools)
         shutil.rmtree(first)
 
     phases = "two SFT phases" if warm.pretrain_episodes else "one SFT phase"
