@@ -181,8 +181,11 @@ class Env(gymnasium.Env):
         reporting through `progress`); the default does nothing."""
 
     @classmethod
-    def scripted_policy(cls, name: str) -> ScriptedPolicy | None:
-        """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None."""
+    def scripted_policy(
+        cls, name: str, tools: Sequence[dict[str, Any]] = ()
+    ) -> ScriptedPolicy | None:
+        """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None;
+        `tools`: the env's tool schemas when it acts through tools (the policy then calls them)."""
         return None
 
     # -- helpers for tooling ----------------------------------------------------------------

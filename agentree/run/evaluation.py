@@ -26,6 +26,7 @@ from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.run.runtime import Runtime
+from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
 
 
@@ -72,7 +73,14 @@ def run_eval(
     spec = tasks if tasks is not None else cfg.eval.tasks
     task_list = cls.load_tasks(spec, seed=cfg.seed, split="eval")
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
-    scripted = cls.scripted_policy(cfg.policy.path)
+    probe = cls(**env_kwargs)  # envs construct cheaply; resources come with reset()
+    tools = tool_schemas(probe.tools())
+    probe.close()
+    scripted = (
+        cls.scripted_policy(cfg.policy.path, tools)
+        if tools
+        else cls.scripted_policy(cfg.policy.path)
+    )
     t0 = time.perf_counter()
     if scripted is not None:
         log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
