@@ -371,3 +371,13 @@ def as_tool_action(
     if isinstance(action, ToolAction):
         return action
     return call_format(fmt).parse_action(action, schemas)
+
+
+def readable_action(action: str | None, info: dict[str, Any]) -> str:
+    """A tree node's action for a reader (judge, PRM, viewer): its tool calls as `name(args)`
+    lines when the turn made any (the rollout records them in `info["tool_calls"]`), else the
+    action text."""
+    calls = info.get("tool_calls")
+    if not calls:
+        return action or ""
+    return "\n".join(ToolCall(c["name"], c.get("arguments") or {}).readable() for c in calls)

@@ -363,3 +363,30 @@ def test_a_template_that_rewrites_history_still_trains_on_the_sampled_ids(smol_t
 
 
 T_MOVE = __import__("agentree.envs.grid", fromlist=["MOVE_TOOL"]).MOVE_TOOL
+
+
+def test_judges_and_prms_read_calls_as_name_and_arguments():
+    from agentree.scorers.trajectory import view_step
+    from agentree.tools import readable_action
+    from agentree.tree import Tree
+
+    tree = Tree("t", {})
+    tree.add_root("issue", [1])
+    text = '<tool_call>{"name": "file_editor", "arguments": {...}}</tool_call>'
+    calls = [
+        [{"name": "file_editor", "arguments": {"command": "str_replace", "path": "/a.py"}}],
+        [{"name": "execute_bash", "arguments": {"command": "python -m pytest tests"}}],
+        [{"name": "file_editor", "arguments": {"command": "view", "path": "/a.py"}}],
+        [{"name": "submit", "arguments": {}}],
+    ]
+    kinds = []
+    for i, c in enumerate(calls):
+        node = tree.add_child(i, action=text, observation="ok", info={"tool_calls": c})
+        kinds.append(view_step(i + 1, node).tool)
+    assert kinds == ["edit", "test", "read", "finish"]
+    node = tree.nodes[1]
+    assert readable_action(node.action, node.info) == (
+        'file_editor(command="str_replace", path="/a.py")'
+    )
+    assert view_step(2, tree.nodes[2]).command == "python -m pytest tests"
+    assert readable_action("```Up```", {}) == "```Up```"  # free text stays as written
