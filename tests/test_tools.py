@@ -390,3 +390,64 @@ def test_judges_and_prms_read_calls_as_name_and_arguments():
     )
     assert view_step(2, tree.nodes[2]).command == "python -m pytest tests"
     assert readable_action("```Up```", {}) == "```Up```"  # free text stays as written
+
+
+# -- OpenAI messages with tools (what `agentree serve` answers) -----------------------------------
+def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_calls(
+    smol_tokenizer,
+):
+    from agentree.tool_messages import (
+        ToolRequestError,
+        completion_message,
+        render_request,
+        request_tools,
+    )
+
+    chat = ChatFormat(smol_tokenizer, "hermes")
+    body = {
+        "tools": [MOVE],
+        "messages": [
+            {"role": "system", "content": "Walk."},
+            {"role": "user", "content": "P _ G"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "move", "arguments": '{"direction": "up"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "_ P G"},
+        ],
+    }
+    tools = request_tools(body)
+    text = render_request(chat, body["messages"], tools)
+    # the same ids a rollout builds: prompt, the call as the policy writes it, the tool turn
+    call = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_call>'
+    action = [*chat.encode(call), chat.end_of_turn_id]
+    expected = chat.prompt_ids("P _ G", "Walk.", tools) + action
+    expected += chat.observation_ids("", action, ["_ P G"])
+    assert chat.encode(text) == expected
+    assert request_tools({**body, "tool_choice": "none"}) == []
+    with pytest.raises(ToolRequestError, match="function schema"):
+        request_tools({"tools": [{"type": "function"}]})
+
+    ids = iter(["call_a", "call_b"])
+    message, finish = completion_message(
+        chat, "Going up.\n" + call + "\n" + call, tools, "stop", lambda: next(ids)
+    )
+    assert finish == "tool_calls" and message["content"] == "Going up."
+    assert [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
+    assert message["tool_calls"][0]["function"] == {
+        "name": "move",
+        "arguments": '{"direction": "up"}',
+    }
+    # no call, or a malformed one: the text as written
+    for text in ("I am not sure.", '<tool_call>{"name": "move", "arguments": {}}</tool_call>'):
+        assert completion_message(chat, text, tools, "stop") == (
+            {"role": "assistant", "content": text},
+            "stop",
+        )
