@@ -451,3 +451,42 @@ def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_c
             {"role": "assistant", "content": text},
             "stop",
         )
+
+
+def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_tokenizer):
+    """`agentree sft` on the expert's tool-call episodes trains on the layout a tool rollout
+    builds: the same prompt (tools declared), the same call text, the same tool turns."""
+    from agentree.envs.frozenlake import FrozenLakeEnv
+    from agentree.models.sft import example_from_messages
+    from agentree.models.warm import expert_episode
+
+    env = FrozenLakeEnv(action_format="tools")
+    for task in FrozenLakeEnv.generate_tasks(20, seed=7):  # the first with three moves or more
+        conv, success = expert_episode(env, task, 1.0, random.Random(0))
+        if len(conv) >= 5:
+            break
+    assert success and conv[1]["tool_calls"][0]["function"]["name"] == "move"
+    assert [m["role"] for m in conv[:4]] == ["user", "assistant", "tool", "assistant"]
+    chat = ChatFormat(smol_tokenizer, "hermes")
+    example = example_from_messages(chat, conv, env.system_prompt, tool_schemas(env.tools()))
+
+    moves = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in conv[1::2]]
+    hermes = call_format("hermes")
+
+    def choose(text: str, i: int) -> str:
+        turn = text.count("<|im_start|>assistant") - 1
+        return hermes.format([ToolCall("move", moves[turn])])
+
+    ctx = RolloutContext(
+        engine=ScriptedEngine(smol_tokenizer, choose),
+        chat=chat,
+        sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
+        env_factory=lambda: FrozenLakeEnv(action_format="tools"),
+        scorer=make_scorer("none"),
+        rng=random.Random(0),
+    )
+    (tree,), _ = make_controller("grpo", G=1).rollout([task], ctx)
+    (trajectory,) = tree.trajectories()
+    assert trajectory.reward == 1.0
+    assert list(trajectory.token_ids) == example.token_ids
+    assert list(trajectory.loss_mask) == example.loss_mask
