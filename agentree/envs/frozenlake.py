@@ -20,7 +20,7 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
-from agentree.envs.grid import MOVE_TOOL, ActionFormat, example_moves, read_move
+from agentree.envs.grid import MOVE_TOOL, ActionFormat, example_moves, read_move, tool_corpus
 from agentree.tools import ToolSpec
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
@@ -208,7 +208,7 @@ class FrozenLakeEnv(Env):
 
     def corpus(self, tasks: list[Task]) -> list[str]:
         """Maps and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("frozenlake/invalid.txt")]
+        texts = [prompts.load("frozenlake/invalid.txt"), *tool_corpus(self.cfg.action_format)]
         for task in tasks:
             texts.append(self.system_prompt or "")
             texts.append(self.reset(seed=task.seed, options=task.options)[0])

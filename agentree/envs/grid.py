@@ -8,8 +8,10 @@ invalid-action penalty.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+from agentree import prompts
 from agentree.tools import ToolCall, as_tool_action, call_format
 
 ActionFormat = Literal["text", "tools"]
@@ -59,3 +61,17 @@ def example_moves(action_format: ActionFormat) -> list[str]:
     if action_format == "text":
         return [f"```{m}```" for m in moves] + ["no move"]
     return [move_call(m) for m in moves] + ["no move"]
+
+
+def tool_corpus(action_format: ActionFormat) -> list[str]:
+    """The tool-mode texts a tiny tokenizer must cover: the generic tools rendering, the
+    schema and the invalid-call notice (none in text mode)."""
+    if action_format == "text":
+        return []
+    listing = json.dumps(MOVE_TOOL)
+    return [
+        prompts.render("tools/hermes.txt", system="", tools=listing),
+        prompts.load("tools/invalid_move.txt"),
+        "Invalid action: bad arguments for move: direction: 'north' is not one of "
+        "['up', 'down', 'left', 'right']. malformed tool call: unknown tool",
+    ]

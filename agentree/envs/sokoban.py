@@ -29,7 +29,7 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
-from agentree.envs.grid import MOVE_TOOL, ActionFormat, example_moves, read_move
+from agentree.envs.grid import MOVE_TOOL, ActionFormat, example_moves, read_move, tool_corpus
 from agentree.tools import ToolSpec
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
@@ -373,7 +373,7 @@ class SokobanEnv(Env):
 
     def corpus(self, tasks: list[Task]) -> list[str]:
         """Rooms and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("sokoban/invalid.txt")]
+        texts = [prompts.load("sokoban/invalid.txt"), *tool_corpus(self.cfg.action_format)]
         for task in tasks:
             texts.append(self.system_prompt or "")
             texts.append(self.reset(seed=task.seed, options=task.options)[0])
