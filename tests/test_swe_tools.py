@@ -155,3 +155,35 @@ def test_gold_patches_resolve_through_the_tools(local_records):
             assert reward == 1.0 and info["grading"]["status"] == "RESOLVED_FULL", task.id
     finally:
         env.close()
+
+
+def test_expert_in_tool_form_replays_through_the_tools_and_resolves(local_records):
+    """`agentree swe warm --action-format tools` teaches these conversations (`agentree sft`
+    lays them out as `test_tools` checks for FrozenLake): each command an execute_bash call,
+    submit a call, each output a tool turn; replayed in Docker through the tool mode they
+    resolve the task and the outputs are what the container printed."""
+    from agentree.envs.base import Task
+    from agentree.swe import expert, generate
+
+    (record,), _ = generate.generate(1, seed=1, slugs=["intervals"], heldout=0.0)
+    conv = expert.tool_form(expert.trajectory(record, misses=1))
+    assert conv[0]["content"].rstrip().endswith("you cannot continue after submitting.")
+    assert [m["role"] for m in conv[:3]] == ["user", "assistant", "tool"]
+    assert conv[1]["content"].startswith("THOUGHT: ")
+    assert conv[-1]["tool_calls"][0]["function"]["name"] == "submit"
+    env = SWEEnv(action_format="tools", step_limit=12, prewarm=0)
+    try:
+        task = SWEEnv.task_from_record(record)
+        env.reset(options=Task(task.id, None, task.options).options)
+        outputs = []
+        for m in conv[1::2]:
+            calls = [
+                ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in m["tool_calls"]
+            ]
+            obs, reward, term, _, info = env.step(call_format("hermes").format(calls))
+            outputs.append(obs)
+        assert term and reward == 1.0, info["grading"]
+        assert [m["content"] for m in conv[2:8:2]] == outputs[:3]  # grep, cat -n, the miss
+    finally:
+        env.close()
