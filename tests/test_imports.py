@@ -121,9 +121,9 @@ def test_no_cycle_between_folders():
 
 
 LAYERS = [
-    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat", "agentree.tools",
-                   "agentree.tool_messages",
-                   "agentree.prompts", "agentree.configs"]),
+    ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat",
+                   "agentree.tools", "agentree.tool_messages", "agentree.prompts",
+                   "agentree.configs"]),
     ("algorithms", ["agentree.algorithms"]),
     ("envs", ["agentree.envs"]),
     ("hub", ["agentree.hub"]),
