@@ -7,6 +7,8 @@ excluded from the text, as in the OpenAI API), `stop_token_ids`, `seed` and `log
 `top_logprobs` map onto `SamplingParams`; responses carry token `usage`. Log-probs are those
 of the temperature-scaled sampling distribution (the engine contract). Options the engine
 cannot honour (streaming, echo, penalties, logit bias) are rejected with a 400, not ignored.
+A chat request with `tools` is rendered as a tool rollout is and its answer read back into
+`tool_calls` (finish reason `tool_calls`) in the policy's call format (`agentree.tool_messages`).
 
 Concurrent requests are gathered into one engine call when their sampling settings match
 (requests with a `seed` run alone so their draws are repeatable), so many small judge calls
@@ -34,9 +36,16 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agentree.chat import ChatFormat
 from agentree.config import load_config
 from agentree.engines.base import Completion, Engine, SamplingParams
 from agentree.policy import build_serving_engine, resolve_policy
+from agentree.tool_messages import (
+    ToolRequestError,
+    completion_message,
+    render_request,
+    request_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +153,13 @@ class OpenAIServer:
         default_max_tokens: int = 256,
         max_batch: int = 64,
         aliases: Sequence[str] = (),
+        tool_format: str = "hermes",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        """How the policy writes tool calls (`agentree.tools`), for requests with `tools`."""
+        self._chat: ChatFormat | None = None
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.default_max_tokens = default_max_tokens
@@ -199,9 +212,16 @@ class OpenAIServer:
             raise APIError(400, "'messages' must be a non-empty list", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(
-            [_message(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+        try:
+            tools = request_tools(body)
+            if tools:
+                text = render_request(self.chat_format, messages, tools)
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    [_message(m) for m in messages], tokenize=False, add_generation_prompt=True
+                )
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param="tools") from None
         prompts = [list(self.tokenizer.encode(text, add_special_tokens=False))]
         want = bool(body.get("logprobs"))
         top = (_int_option(body, "top_logprobs", 0, 20) or 0) if want else 0
@@ -213,15 +233,23 @@ class OpenAIServer:
         choices = []
         for c in comps:
             text, ids, finish, k = self._finish(c, params)
+            message, finish = completion_message(self.chat_format, text, tools, finish)
             choice: dict[str, Any] = {
                 "index": len(choices),
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": {"content": self._chat_logprobs(c, k)} if want else None,
                 "finish_reason": finish,
                 "_tokens": len(ids),
             }
             choices.append(choice)
         return self._response("chat.completion", "chatcmpl", choices, prompts)
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The policy's chat format (tool rendering and call parsing), built on first use."""
+        if self._chat is None:
+            self._chat = ChatFormat(self.tokenizer, self.tool_format)
+        return self._chat
 
     # -- request mapping -------------------------------------------------------------------------
     def _check_common(self, body: dict[str, Any]) -> None:
