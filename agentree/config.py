@@ -53,6 +53,10 @@ class PolicyConfig(_Section):
     """Model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:1, ..."""
+    tool_format: str = "text"
+    """How the policy writes tool calls for envs with tools (`agentree.tools`): hermes (Qwen,
+    Hermes), llama3_json, pythonic, or text (free-text actions; a tool env reads the generic
+    rendering's hermes calls)."""
 
 
 class EngineConfig(_Section):

@@ -129,7 +129,7 @@ class LocalRollouts:
         self.controller = parts.controller
         self.scorer = parts.scorer
         self.engine = engine
-        self.chat = ChatFormat(tokenizer)
+        self.chat = ChatFormat(tokenizer, cfg.policy.tool_format)
         self.rng = random.Random(cfg.seed)
         self.make_env = parts.make_env
         self._snapshot: Any = None

@@ -136,7 +136,7 @@ def test_cpu_gqa_attention_equals_transformers_sdpa(monkeypatch):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from agentree.engines import hf
+    from agentree.hub import load as hf
 
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

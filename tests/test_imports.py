@@ -122,7 +122,7 @@ def test_no_cycle_between_folders():
 
 LAYERS = [
     ("contracts", ["agentree", "agentree.tree", "agentree.registry", "agentree.chat",
-                   "agentree.signals",
+                   "agentree.signals", "agentree.tools", "agentree.tool_messages",
                    "agentree.prompts", "agentree.configs"]),
     ("algorithms", ["agentree.algorithms"]),
     ("envs", ["agentree.envs"]),

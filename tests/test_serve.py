@@ -382,3 +382,60 @@ def test_without_the_serve_extra_is_one_clear_error(monkeypatch, capsys) -> None
         "agentree serve: error: agentree serve needs FastAPI and uvicorn (uvicorn is missing): "
         "pip install 'agentree[serve]'"
     )
+
+
+def test_chat_with_tools_answers_the_openai_client_with_tool_calls(smollm2) -> None:
+    """A request carrying `tools`: the policy (scripted here) writes a Hermes call, and the
+    `openai` client gets it back as `tool_calls`; the tool's result goes in as a `tool` turn."""
+    from helpers import ScriptedEngine
+    from transformers import AutoTokenizer
+
+    from agentree.commands.serve import OpenAIServer, ServerHandle
+
+    tok = AutoTokenizer.from_pretrained(smollm2)  # a real BPE tokenizer: any text round-trips
+    seen: list[str] = []
+
+    def policy(context: str, i: int) -> str:
+        seen.append(context)
+        if "<|im_start|>tool" in context:
+            return "I reached the goal."
+        return 'Going up.<tool_call>{"name": "move", "arguments": {"direction": "up"}}</tool_call>'
+
+    api = OpenAIServer(ScriptedEngine(tok, policy), tok, "tool-policy", default_max_tokens=32)
+    move = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "description": "Move one cell.",
+            "parameters": {
+                "type": "object",
+                "properties": {"direction": {"type": "string", "enum": ["up", "down"]}},
+                "required": ["direction"],
+            },
+        },
+    }
+    with ServerHandle(api, "127.0.0.1", 0).start() as handle:
+        client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "P _ G"}]
+        r = client.chat.completions.create(model="tool-policy", messages=messages, tools=[move])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Going up."
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "move"
+        assert json.loads(call.function.arguments) == {"direction": "up"}
+        assert '"name": "move"' in seen[0] and "<tool_call>" in seen[0]  # the tools declared
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "_ P G"},
+        ]
+        r = client.chat.completions.create(model="tool-policy", messages=messages, tools=[move])
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content == "I reached the goal."
+        assert "<|im_start|>tool\n_ P G<|im_end|>" in seen[1]
+        with pytest.raises(openai.BadRequestError, match="function schema"):
+            client.chat.completions.create(
+                model="tool-policy", messages=messages, tools=[{"type": "function"}]
+            )
+        client.close()

@@ -118,6 +118,17 @@ def test_warm_build_is_keyed_on_what_changes_its_weights() -> None:
     assert build_key("frozenlake", {}, "another-base", warm) != default
     assert build_key("frozenlake", {}, "tiny-base", WarmConfig(expert_prob=0.6)) != default
 
+    # tool mode is its own build; text mode (the default) keeps the key it had before the
+    # setting existed, for FrozenLake and for Sokoban (whose builds read every setting)
+    assert key("frozenlake", action_format="text") == default
+    assert key("frozenlake", action_format="tools") != default
+    from agentree.hub.store import content_key
+
+    kw = {k: v for k, v in build_settings("sokoban", {}).items() if k != "action_format"}
+    keep = warm.model_dump(exclude={"pretrain_turns"})
+    before = {"base": "tiny-base", "env": "sokoban", "kw": kw, "warm": keep, "v": 3}
+    assert key("sokoban") == content_key(before) != key("sokoban", action_format="tools")
+
     countdown = key("countdown")
     assert key("countdown", format_score=0.0, correct_score=2.0) == countdown
     assert key("countdown", max_target=50) != countdown

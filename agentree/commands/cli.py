@@ -33,8 +33,9 @@ from agentree.run.outputs import claim, mark
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
 from agentree.run.runtime import Runtime
-from agentree.run.summary import run_summary, write_summary
+from agentree.run.summary import record_policy, run_summary, write_summary
 from agentree.signals import interrupt_on_sigterm
+from agentree.tools import tool_schemas
 from agentree.tree import save_trees
 from agentree.viewer.pages import add_view_command
 
@@ -229,8 +230,9 @@ def train_entry(cfg: Any, resume: bool) -> int:
     )
     trainer = Trainer(cfg, run_dir, log=console.print)
     try:
-        if rank == 0:  # the policy, tasks and env are loaded: the inputs are valid
+        if trainer.rt is not None:  # rank 0: the policy, tasks and env are loaded and valid
             _write_config(cfg, run_dir, "train")
+            record_policy(run_dir, trainer.rt.policy_path, trainer.rt.policy_sha256)
         trainer.stop.install()  # Ctrl-C and SIGTERM (schedulers) both checkpoint below
         ckpt = trainer.resume() if resume else None
         if ckpt is not None and trainer.complete:
@@ -454,14 +456,16 @@ def cmd_sft(args: Any) -> int:
     env_name, env_kwargs = cfg.component("env")
     env = env_class(env_name)(**env_kwargs)
     try:
-        system = env.system_prompt
+        system, tools = env.system_prompt, tool_schemas(env.tools())
     finally:
         env.close()
     # deferred: transformers takes seconds to import, which `agentree --help` should not pay for
     from transformers import AutoTokenizer
 
-    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    examples = load_examples(args.data, chat, min_reward=args.min_reward, system=system)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy), cfg.policy.tool_format)
+    examples = load_examples(
+        args.data, chat, min_reward=args.min_reward, system=system, tools=tools
+    )
     sft = SFTConfig(
         epochs=args.epochs,
         lr=args.lr,

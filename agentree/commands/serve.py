@@ -7,6 +7,8 @@ excluded from the text, as in the OpenAI API), `stop_token_ids`, `seed` and `log
 `top_logprobs` map onto `SamplingParams`; responses carry token `usage`. Log-probs are those
 of the temperature-scaled sampling distribution (the engine contract). Options the engine
 cannot honour (streaming, echo, penalties, logit bias) are rejected with a 400, not ignored.
+A chat request with `tools` is rendered as a tool rollout is and its answer read back into
+`tool_calls` (finish reason `tool_calls`) in the policy's call format (`agentree.tool_messages`).
 
 Transport: FastAPI on uvicorn (the `serve` extra; the routes are `serve_http`, the request
 models, batcher and response builders the transport-free `serve_api`). Requests are pydantic

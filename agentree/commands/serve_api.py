@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentree.chat import ChatFormat
 from agentree.engines.base import Completion, Engine, SamplingParams
+from agentree.tool_messages import (
+    ToolRequestError,
+    completion_message,
+    render_request,
+    request_tools,
+)
 
 MAX_BODY_BYTES = 8 << 20
 """Largest request body accepted (8 MiB holds a 100k-token prompt sent as token ids)."""
@@ -69,6 +76,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's calls (OpenAI `tool_calls`), written back in the policy's format."""
+    tool_call_id: str | None = None
+    """Which call a `tool` message answers."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as `agentree.tool_messages` reads it (content joined to text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -108,6 +128,10 @@ class ChatRequest(SamplingRequest):
     """`POST /v1/chat/completions`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Any] | None = None
+    """OpenAI function tools: the policy's answer is read back into `tool_calls`."""
+    tool_choice: str | dict[str, Any] | None = None
+    """`none` declares no tools; other values are accepted and change nothing."""
     logprobs: bool | None = None
     top_logprobs: _TopLogprobs | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -196,9 +220,13 @@ class OpenAIServer:
         default_max_tokens: int = 256,
         max_batch: int = 64,
         aliases: Sequence[str] = (),
+        tool_format: str = "hermes",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        """How the policy writes tool calls (`agentree.tools`), for requests with `tools`."""
+        self._chat: ChatFormat | None = None
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.default_max_tokens = default_max_tokens
@@ -247,10 +275,18 @@ class OpenAIServer:
         self._check_common(req)
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        messages = [m.as_dict() for m in req.messages]
+        try:
+            tools = request_tools({"tools": req.tools, "tool_choice": req.tool_choice})
+            if tools:
+                text = render_request(self.chat_format, messages, tools)
+            else:
+                plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+                text = self.tokenizer.apply_chat_template(
+                    plain, tokenize=False, add_generation_prompt=True
+                )
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param="tools") from None
         prompts = [list(self.tokenizer.encode(text, add_special_tokens=False))]
         top = (req.top_logprobs or 0) if req.logprobs else 0
         room = self.engine.max_model_len - len(prompts[0])
@@ -262,15 +298,23 @@ class OpenAIServer:
         choices = []
         for c in comps:
             text, ids, finish, k = self._finish(c, params)
+            message, finish = completion_message(self.chat_format, text, tools, finish)
             choice: dict[str, Any] = {
                 "index": len(choices),
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": {"content": self._chat_logprobs(c, k)} if req.logprobs else None,
                 "finish_reason": finish,
                 "_tokens": len(ids),
             }
             choices.append(choice)
         return self._response("chat.completion", "chatcmpl", choices, prompts)
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The policy's chat format (tool rendering and call parsing), built on first use."""
+        if self._chat is None:
+            self._chat = ChatFormat(self.tokenizer, self.tool_format)
+        return self._chat
 
     # -- request mapping -------------------------------------------------------------------------
     def _check_common(self, req: SamplingRequest) -> None:

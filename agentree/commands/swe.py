@@ -101,6 +101,11 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         "--per-task", type=int, help="expert trajectories per task, each with its own wrong edits"
     )
     warm.add_argument(
+        "--action-format",
+        choices=["text", "tools"],
+        help="bash blocks (text, the default) or execute_bash/submit tool calls (tools)",
+    )
+    warm.add_argument(
         "--micro-batch-size", type=int, help="trajectories forwarded together (0: the batch)"
     )
     warm.add_argument("--seed", type=int, default=0, help="weights and example order")
@@ -223,6 +228,7 @@ def warm_command(args: argparse.Namespace) -> int:
         "micro_batch_size": args.micro_batch_size,
         "edit": args.edit,
         "per_task": args.per_task,
+        "action_format": args.action_format,
     }
     if args.policy:  # a pretrained model: its own learning rate, and it copies names already
         chosen = {**REAL_MODEL_WARM, **{k: v for k, v in chosen.items() if v is not None}}

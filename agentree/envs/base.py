@@ -20,6 +20,7 @@ import gymnasium
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.registry import Registry
+from agentree.tools import ToolSpec
 
 EVAL_SEED_OFFSET = 1_000_000_000
 """Held-out tasks draw seeds from here up, train tasks from below: the splits never overlap."""
@@ -101,6 +102,19 @@ class Env(gymnasium.Env):
     """The `Config` fields the expert's episodes and the prompts depend on: a warm build is
     keyed on (and built with) these alone, so a run that changes another (a turn limit, a
     reward level) reuses it. None: every field."""
+
+    # -- tools ------------------------------------------------------------------------------
+    def tools(self) -> list[ToolSpec]:
+        """The functions the policy may call: OpenAI function schemas or typed, documented
+        Python functions (see `agentree.tools`). Empty (the default): free-text actions.
+
+        With tools, `step` receives a `ToolAction`: the raw text (it is a `str`) with `.calls`
+        parsed in the policy's call format and `.error` when the turn is not a well-formed call;
+        `agentree.tools.as_tool_action` parses plain text from scripted policies. An info key
+        `tool_results` (one string per call) delivers the results as one tool message each;
+        otherwise the observation is one tool message.
+        """
+        return []
 
     # -- forking ----------------------------------------------------------------------------
     def snapshot(self) -> Any:
@@ -189,8 +203,11 @@ class Env(gymnasium.Env):
         reporting through `progress`); the default does nothing."""
 
     @classmethod
-    def scripted_policy(cls, name: str) -> ScriptedPolicy | None:
-        """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None."""
+    def scripted_policy(
+        cls, name: str, tools: Sequence[dict[str, Any]] = ()
+    ) -> ScriptedPolicy | None:
+        """A non-model policy by name (e.g. SWE's `gold`/`empty` sanity checks), or None;
+        `tools`: the env's tool schemas when it acts through tools (the policy then calls them)."""
         return None
 
     # -- scripted play ----------------------------------------------------------------------

@@ -21,6 +21,15 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.grid import (
+    MOVE_TOOL,
+    ActionFormat,
+    example_moves,
+    move_action,
+    read_move,
+    tool_corpus,
+)
+from agentree.tools import ToolSpec
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
@@ -43,6 +52,8 @@ class FrozenLakeConfig(EnvConfig):
     stop_after_move: bool = True
     """End the policy's turn once it has written a complete move (off: the whole response is
     read and its last move counts, as in rLLM)."""
+    action_format: ActionFormat = "text"
+    """text: a ```Move``` block; tools: a call of the `move(direction)` tool."""
 
 
 def generate_map(size: int, p: float, rng: np.random.Generator) -> list[str]:
@@ -129,11 +140,13 @@ class FrozenLakeEnv(Env):
     action_set = tuple(f"```{m}```" for m in MOVES)
     # the turn limit, stop sequences and reward levels change neither the expert's episodes
     # (they play to the default turn limit) nor the prompts
-    expert_settings = ("size", "p", "is_slippery")
+    expert_settings = ("size", "p", "is_slippery", "action_format")
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = FrozenLakeConfig(**kwargs)
-        if self.cfg.stop_after_move:
+        if self.cfg.action_format == "tools":
+            self.system_prompt = prompts.load("frozenlake/system_tools.txt").strip()
+        elif self.cfg.stop_after_move:
             self.stop_sequences = tuple(f"```{a.capitalize()}```" for a in ACTIONS)
         self._lake: GymFrozenLake | None = None
         self._desc: list[str] = []
@@ -163,10 +176,17 @@ class FrozenLakeEnv(Env):
         if self._done:
             raise RuntimeError("episode is over; call reset()")
         self._turn += 1
-        move = parse_action(action)
+        if self.cfg.action_format == "tools":
+            direction, error = read_move(action)
+            move = None if direction is None else ACTIONS[direction]
+        else:
+            move, error = parse_action(action), None
         if move is None:
             reward, terminated = -self.cfg.invalid_penalty, False
-            obs = prompts.render("frozenlake/invalid.txt", grid=self.render_grid())
+            if error is None:
+                obs = prompts.render("frozenlake/invalid.txt", grid=self.render_grid())
+            else:
+                obs = prompts.render("tools/invalid_move.txt", error=error, grid=self.render_grid())
             key = "invalid:" + " ".join(action.split())[:64]
         else:
             _, r, terminated, _, _ = self._lake.step(move)
@@ -205,10 +225,11 @@ class FrozenLakeEnv(Env):
     # -- scripted play ------------------------------------------------------------------------
     def expert_action(self) -> str | None:
         best = shortest_moves(self._desc, self.position)
-        return f"```{best[0]}```" if best else None
+        return move_action(best[0], self.cfg.action_format) if best else None
 
     def random_action(self, rng: random.Random) -> str:
-        return f"```{rng.choice(valid_moves(self._desc, self.position))}```"
+        move = rng.choice(valid_moves(self._desc, self.position))
+        return move_action(move, self.cfg.action_format)
 
     def best_actions(self) -> list[str]:
         return [f"```{m}```" for m in shortest_moves(self._desc, self.position)]
@@ -235,12 +256,15 @@ class FrozenLakeEnv(Env):
             rows.append(" ".join(cells))
         return "\n".join(rows)
 
+    def tools(self) -> list[ToolSpec]:
+        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
+
     def example_actions(self) -> list[str]:
-        return ["```Right```", "```Down```", "```Left```", "```Up```", "no move"]
+        return example_moves(self.cfg.action_format)
 
     def corpus(self, tasks: list[Task]) -> list[str]:
         """Maps and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("frozenlake/invalid.txt")]
+        texts = [prompts.load("frozenlake/invalid.txt"), *tool_corpus(self.cfg.action_format)]
         for task in tasks:
             texts.append(self.system_prompt or "")
             texts.append(self.reset(seed=task.seed, options=task.options)[0])

@@ -29,6 +29,15 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.grid import (
+    MOVE_TOOL,
+    ActionFormat,
+    example_moves,
+    move_action,
+    read_move,
+    tool_corpus,
+)
+from agentree.tools import ToolSpec
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 WALK = ("Left", "Down", "Right", "Up")
@@ -50,6 +59,8 @@ class SokobanConfig(EnvConfig):
     """Reward subtracted for an unparseable action (nothing moves)."""
     stop_after_move: bool = True
     """End the policy's turn once it has written a complete move."""
+    action_format: ActionFormat = "text"
+    """text: a ```Move``` block; tools: a call of the `move(direction)` tool."""
 
 
 # -- rooms ----------------------------------------------------------------------------------
@@ -257,7 +268,9 @@ class SokobanEnv(Env):
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = SokobanConfig(**kwargs)
-        if self.cfg.stop_after_move:
+        if self.cfg.action_format == "tools":
+            self.system_prompt = prompts.load("sokoban/system_tools.txt").strip()
+        elif self.cfg.stop_after_move:
             self.stop_sequences = tuple(f"```{a.capitalize()}```" for a in MOVES)
         self._room: dict[str, Any] | None = None
         self._turn = 0
@@ -285,10 +298,16 @@ class SokobanEnv(Env):
         if self._done:
             raise RuntimeError("episode is over; call reset()")
         self._turn += 1
-        move = parse_action(action)
+        if self.cfg.action_format == "tools":
+            move, error = read_move(action)
+        else:
+            move, error = parse_action(action), None
         if move is None:
             reward, terminated = -self.cfg.invalid_penalty, False
-            obs = prompts.render("sokoban/invalid.txt", grid=self.render_grid())
+            if error is None:
+                obs = prompts.render("sokoban/invalid.txt", grid=self.render_grid())
+            else:
+                obs = prompts.render("tools/invalid_move.txt", error=error, grid=self.render_grid())
             key = "invalid:" + " ".join(action.split())[:64]
         else:
             walls, _targets, boxes, player = _parts(self._room)
@@ -332,10 +351,10 @@ class SokobanEnv(Env):
     # -- scripted play ------------------------------------------------------------------------
     def expert_action(self) -> str | None:
         plan = solve_moves(self.room)
-        return f"```{plan[0]}```" if plan else None
+        return move_action(plan[0], self.cfg.action_format) if plan else None
 
     def random_action(self, rng: random.Random) -> str:
-        return f"```{rng.choice(WALK)}```"
+        return move_action(rng.choice(WALK), self.cfg.action_format)
 
     def best_actions(self) -> list[str]:
         return [f"```{m}```" for m in shortest_first_moves(self.room)]
@@ -371,12 +390,15 @@ class SokobanEnv(Env):
             rows.append(" ".join(cells))
         return "\n".join(rows)
 
+    def tools(self) -> list[ToolSpec]:
+        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
+
     def example_actions(self) -> list[str]:
-        return ["```Right```", "```Down```", "```Left```", "```Up```", "no move"]
+        return example_moves(self.cfg.action_format)
 
     def corpus(self, tasks: list[Task]) -> list[str]:
         """Rooms and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("sokoban/invalid.txt")]
+        texts = [prompts.load("sokoban/invalid.txt"), *tool_corpus(self.cfg.action_format)]
         for task in tasks:
             texts.append(self.system_prompt or "")
             texts.append(self.reset(seed=task.seed, options=task.options)[0])

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
+from agentree.tools import ToolCall
 from agentree.tree import Tree
 
 OBSERVATION_ROLES = frozenset({"user", "tool", "ipython", "function", "observation"})
@@ -85,22 +86,32 @@ class SFTExample:
 
 # -- examples ------------------------------------------------------------------------------------
 def example_from_messages(
-    chat: Any, messages: Sequence[dict[str, Any]], system: str | None = None
+    chat: Any,
+    messages: Sequence[dict[str, Any]],
+    system: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> SFTExample:
     """Tokenise a conversation the way the rollouts do; mask = assistant tokens + end of turn.
 
     `chat` is an `agentree.chat.ChatFormat`. `system` is used when the conversation has no
     system message of its own (the env's system prompt, so the layout matches RL rollouts).
+    With `tools` (OpenAI function schemas, as the env declares them) the prompt declares them,
+    an assistant message's `tool_calls` are written in the chat's call format after its content,
+    and the `tool` messages answering them come back as tool turns, as in a tool rollout.
     """
-    msgs = [m for m in messages if str(m.get("content") or "").strip() or m["role"] == "assistant"]
+    msgs = [
+        m
+        for m in messages
+        if str(m.get("content") or "").strip() or m["role"] == "assistant" or m.get("tool_calls")
+    ]
     if msgs and msgs[0]["role"] == "system":
         system, msgs = str(msgs[0]["content"]), msgs[1:]
-    turns = _merge_observations(msgs)
+    turns = _merge_observations(msgs, bool(tools), chat.tool_format.format if tools else None)
     if not turns or turns[0][0] != "user":
         raise ValueError("a conversation must start with a user message (after the system one)")
     if not any(role == "assistant" for role, _ in turns):
         raise ValueError("a conversation without an assistant message has nothing to learn")
-    ids = chat.prompt_ids(turns[0][1], system)
+    ids = chat.prompt_ids(turns[0][1], system, tools)
     mask = [0] * len(ids)
     action: list[int] = []
     for role, content in turns[1:]:
@@ -109,7 +120,8 @@ def example_from_messages(
             ids += action
             mask += [1] * len(action)
         else:
-            obs = chat.observation_ids(content, action)
+            results = content if role == "tool" else None
+            obs = chat.observation_ids("" if results else content, action, results)
             ids += obs
             mask += [0] * len(obs)
     while mask and mask[-1] == 0:  # an observation after the last answer teaches nothing
@@ -118,16 +130,45 @@ def example_from_messages(
     return SFTExample(ids, mask)
 
 
-def _merge_observations(msgs: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(role, content) turns alternating user/assistant; consecutive observations joined."""
-    out: list[tuple[str, str]] = []
+def _assistant_text(m: dict[str, Any], write_calls: Callable[[list[ToolCall]], str] | None) -> str:
+    """An assistant message's text with its OpenAI `tool_calls` written by `write_calls`."""
+    content = str(m.get("content") or "")
+    calls = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function", c)
+        args = fn.get("arguments") or {}
+        calls.append(ToolCall(fn["name"], json.loads(args) if isinstance(args, str) else args))
+    if not calls:
+        return content
+    if write_calls is None:
+        raise ValueError("an assistant message has tool_calls but the env declares no tools")
+    written = write_calls(calls)
+    return f"{content.rstrip()}\n{written}" if content.strip() else written
+
+
+def _merge_observations(
+    msgs: Sequence[dict[str, Any]],
+    tool_turns: bool = False,
+    write_calls: Callable[[list[ToolCall]], str] | None = None,
+) -> list[tuple]:
+    """(role, content) turns alternating user/assistant, consecutive observations joined; with
+    `tool_turns`, a run of `tool` messages is one ("tool", [results]) turn instead."""
+    out: list[tuple] = []
     for m in msgs:
         role = m["role"]
+        if role == "tool" and tool_turns:
+            if out and out[-1][0] == "tool":
+                out[-1][1].append(str(m.get("content") or ""))
+            else:
+                out.append(("tool", [str(m.get("content") or "")]))
+            continue
         if role in OBSERVATION_ROLES:
             role = "user"
         elif role != "assistant":
             raise ValueError(f"unsupported message role {role!r} (system, user, assistant, tool)")
-        content = str(m.get("content") or "")
+        content = (
+            _assistant_text(m, write_calls) if role == "assistant" else str(m.get("content") or "")
+        )
         if out and out[-1][0] == role:
             if role == "assistant":
                 raise ValueError("two assistant messages in a row; merge them or add the reply")
@@ -188,9 +229,11 @@ def load_examples(
     *,
     min_reward: float | None = None,
     system: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
-    """Examples from a chat JSONL file or a directory of agentree trees."""
+    """Examples from a chat JSONL file or a directory of agentree trees; `system` and `tools`
+    (the env's) lay chat conversations out as the rollouts do."""
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {path} does not exist")
@@ -203,7 +246,7 @@ def load_examples(
     else:
         if min_reward is not None:
             raise ValueError("--min-reward filters agentree trees; chat JSONL has no rewards")
-        examples = [example_from_messages(chat, m, system) for m in read_chat_jsonl(path)]
+        examples = [example_from_messages(chat, m, system, tools) for m in read_chat_jsonl(path)]
         log(f"{len(examples)} conversations from {path}")
     if not examples:
         raise ValueError(f"no training examples in {path} (lower --min-reward?)")
@@ -218,6 +261,7 @@ def run_sft(
     cfg: SFTConfig | None = None,
     *,
     system: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
     log: Callable[[str], None] = print,
     state_dir: str | Path | None = None,
     state_every_s: float = 600.0,
@@ -225,7 +269,8 @@ def run_sft(
     """Fine-tune the causal LM at `policy_path` and save it (model + tokenizer) to `output`.
 
     `examples` are `SFTExample`s or conversations (lists of chat messages, tokenised here with
-    the policy's chat format; `system` fills in a missing system message). Returns a summary
+    the policy's chat format; `system` fills in a missing system message, `tools` are the env's
+    tool schemas). Returns a summary
     (losses per epoch, tokens, wall time), also written to `output/sft.json`.
 
     With `state_dir`, the run writes its state there (weights, optimiser, position in the
@@ -245,7 +290,9 @@ def run_sft(
     t0 = time.perf_counter()
     model, tokenizer = load_policy(policy_path, dtype=cfg.dtype, device=cfg.device)
     data = [
-        e if isinstance(e, SFTExample) else example_from_messages(ChatFormat(tokenizer), e, system)
+        e
+        if isinstance(e, SFTExample)
+        else example_from_messages(ChatFormat(tokenizer), e, system, tools)
         for e in examples
     ]
     data = [_truncate(e, cfg.max_length) for e in data]

@@ -44,6 +44,7 @@ from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.models.sft import SFTConfig, run_sft
+from agentree.tools import ToolCall, as_tool_action, tool_schemas
 
 
 class WarmConfig(BaseModel):
@@ -119,11 +120,19 @@ def expert_steps(
 def expert_episode(
     env: Env, task: Any, expert_prob: float, rng: random.Random
 ) -> tuple[list[dict[str, str]], bool]:
-    """(chat messages, success) of one episode of the noisy expert (`expert_steps`)."""
+    """(chat messages, success) of one episode of the noisy expert (`expert_steps`). In tool
+    mode the moves are OpenAI `tool_calls` answered by `tool` messages, so `agentree sft`
+    writes them in the policy's call format."""
     (obs, _), steps = expert_steps(env, task, expert_prob, rng)
-    messages = [{"role": "user", "content": obs}]
-    for action, obs, *_ in steps:
-        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
+    for i, (action, obs, *_) in enumerate(steps):
+        if env.tools():
+            (call,) = as_tool_action(action, env.tools()).calls
+            call = ToolCall(call.name, call.arguments, f"call_{i}")
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call.to_openai()]})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": obs})
+        else:
+            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
     info = steps[-1][-1]
     return messages[:-1], bool(info.get("success", steps[-1][2] >= 1.0))
 
@@ -236,6 +245,8 @@ def build_key(env_name: str, env_kwargs: dict[str, Any], base: str, warm: WarmCo
     """The cache name of a warm build: what determines its weights (the base policy, the env
     settings the build reads, the warm-start settings), nothing else."""
     kw = build_settings(env_name, env_kwargs)
+    if kw.get("action_format") == "text":  # added after builds were cached: default stays out
+        del kw["action_format"]
     # v3: tiny builds train on one thread (`one_thread`)
     # a setting at its default stays out of the key when it was added after builds were cached
     keep = warm.model_dump(exclude={"pretrain_turns"} if warm.pretrain_turns == "episode" else None)
@@ -278,7 +289,11 @@ def demonstrations(
 
 def single_turns(convs: Sequence[list[dict[str, str]]]) -> list[list[dict[str, str]]]:
     """Every turn of the conversations as its own example: the observation, then the move."""
-    return [c[i : i + 2] for c in convs for i in range(0, len(c) - 1, 2)]
+    return [
+        [{"role": "user", "content": c[i]["content"]}, c[i + 1]]
+        for c in convs
+        for i in range(0, len(c) - 1, 2)
+    ]
 
 
 def warm_policy_for_env(
@@ -313,6 +328,7 @@ def warm_policy_for_env(
         lr: float,
         system: str,
         turns: str = "episode",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         t0 = time.perf_counter()
         convs = demonstrations(env_name, kwargs, expert)
@@ -331,7 +347,9 @@ def warm_policy_for_env(
             f"{name}: fine-tuning on {len(convs)} demonstrations ({turns}s) of the expert at "
             f"{expert.expert_prob} ({epochs} epochs; built once, then cached)"
         )
-        run_sft(start, convs, out, sft, system=system, log=lambda m: log(f"{name}: {m}"))
+        run_sft(
+            start, convs, out, sft, system=system, tools=tools, log=lambda m: log(f"{name}: {m}")
+        )
         log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 
     def write(tmp: Path) -> None:
@@ -342,10 +360,10 @@ def warm_policy_for_env(
 
     def run_phases(tmp: Path) -> None:
         env = cls(**kwargs)
-        system = env.system_prompt
+        system, tools = env.system_prompt, tool_schemas(env.tools())
         env.close()
         if not warm.pretrain_episodes:
-            phase(base, tmp, warm, warm.epochs, warm.lr, system)
+            phase(base, tmp, warm, warm.epochs, warm.lr, system, tools=tools)
             return
         strong = warm.model_copy(
             update={
@@ -356,9 +374,16 @@ def warm_policy_for_env(
         )
         first = tmp / "strong-expert"
         phase(
-            base, first, strong, warm.pretrain_epochs, warm.pretrain_lr, system, warm.pretrain_turns
+            base,
+            first,
+            strong,
+            warm.pretrain_epochs,
+            warm.pretrain_lr,
+            system,
+            warm.pretrain_turns,
+            tools,
         )
-        phase(first, tmp, warm, warm.epochs, warm.lr, system)
+        phase(first, tmp, warm, warm.epochs, warm.lr, system, tools=tools)
         shutil.rmtree(first)
 
     phases = "two SFT phases" if warm.pretrain_episodes else "one SFT phase"

@@ -27,6 +27,7 @@ from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.run.outputs import claim, mark
 from agentree.run.runtime import Runtime
+from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
 
 
@@ -82,7 +83,14 @@ def run_eval(
             "at least one record"
         )
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
-    scripted = cls.scripted_policy(cfg.policy.path)
+    probe = cls(**env_kwargs)  # envs construct cheaply; resources come with reset()
+    tools = tool_schemas(probe.tools())
+    probe.close()
+    scripted = (
+        cls.scripted_policy(cfg.policy.path, tools)
+        if tools
+        else cls.scripted_policy(cfg.policy.path)
+    )
     t0 = time.perf_counter()
     sha256 = None
     if scripted is not None:

@@ -37,3 +37,17 @@ def run_summary(
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+POLICY_LINE = "# policy weights sha256: "
+
+
+def record_policy(run_dir: Path, path: str, sha256: str | None) -> None:
+    """Name the weights a run started from at the end of its `config.yaml` (a comment: the
+    config stays what the user asked for, and `--resume` reads it unchanged)."""
+    config = run_dir / "config.yaml"
+    if sha256 is None or not config.exists():
+        return
+    text = config.read_text()
+    if POLICY_LINE not in text:  # a resumed run's rewritten config.yaml gets it once again
+        config.write_text(f"{text.rstrip()}\n{POLICY_LINE}{sha256} ({path})\n")

@@ -61,7 +61,7 @@ from agentree.run.tracking import Tracker
 from agentree.signals import StopSignals
 from agentree.tree import EndReason, Trajectory, Tree, save_trees
 
-__all__ = ["Batch", "Trainer", "lr_at", "make_batch", "record_policy", "token_logprobs"]
+__all__ = ["Batch", "Trainer", "lr_at", "make_batch", "token_logprobs"]
 
 
 class Trainer:
@@ -93,7 +93,6 @@ class Trainer:
         self.train_tasks: list[Task] = []
         if self.rt is not None:
             self.train_tasks = self.rt.tasks.get("train") or self.rt.load_tasks(cfg.tasks)
-            record_policy(run_dir, self.rt.policy_path, self.rt.policy_sha256)
         self._order: list[int] = []
         self._cursor = 0
         self.stop = StopSignals()
@@ -430,20 +429,6 @@ class Trainer:
                 self.rt.close()
         finally:
             self.learner.close()
-
-
-POLICY_LINE = "# policy weights sha256: "
-
-
-def record_policy(run_dir: Path, path: str, sha256: str | None) -> None:
-    """Name the weights a run started from at the end of its `config.yaml` (a comment: the
-    config stays what the user asked for, and `--resume` reads it unchanged)."""
-    config = run_dir / "config.yaml"
-    if sha256 is None or not config.exists():
-        return
-    text = config.read_text()
-    if POLICY_LINE not in text:  # a resumed run's rewritten config.yaml gets it once again
-        config.write_text(f"{text.rstrip()}\n{POLICY_LINE}{sha256} ({path})\n")
 
 
 def _quiet(msg: str) -> None:

@@ -37,6 +37,7 @@ from agentree.envs.base import Task
 from agentree.prompts import render
 from agentree.scorers.base import NodePath, Score, Scorer, ScorerConfig
 from agentree.scorers.trajectory import clip_middle, one_line
+from agentree.tools import readable_action
 
 PAPER_PRM = "Skywork/Skywork-o1-Open-PRM-Qwen-2.5-7B"
 V_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
@@ -120,7 +121,11 @@ class PRMScorer(Scorer):
             text = render(
                 "prm/step.txt",
                 index=i,
-                action=one_line(clip_middle((node.action or "").strip(), cfg.max_action_chars)),
+                action=one_line(
+                    clip_middle(
+                        readable_action(node.action, node.info).strip(), cfg.max_action_chars
+                    )
+                ),
                 observation=one_line(
                     clip_middle((node.observation or "").strip(), cfg.max_observation_chars)
                 ),

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentree.tools import readable_action
 from agentree.tree import Node
 
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -177,6 +178,17 @@ class StepView:
         return primary_tool(self.tools)
 
 
+_CALL_KINDS = {
+    ("file_editor", "view"): "read",
+    ("file_editor", "create"): "edit",
+    ("file_editor", "str_replace"): "edit",
+    ("file_editor", "insert"): "edit",
+    ("search", None): "search",
+    ("submit", None): "finish",
+}
+"""Tool types of SWE tool mode's calls other than execute_bash (by name and editor command)."""
+
+
 def step_views(branch: Sequence[Node]) -> list[StepView]:
     """Every step after the root, analysed."""
     return [view_step(i, n) for i, n in enumerate(branch[1:], start=1)]
@@ -184,9 +196,16 @@ def step_views(branch: Sequence[Node]) -> list[StepView]:
 
 def view_step(index: int, node: Node) -> StepView:
     env: dict[str, Any] = node.info.get("env") or {}
-    action = node.action or ""
-    command = bash_command(action)
-    tools = tool_types(command) if command else frozenset({"other"})
+    action = readable_action(node.action, node.info)
+    command, tools = bash_command(node.action), frozenset()
+    for call in node.info.get("tool_calls") or []:  # tool mode: the calls say what was done
+        args = call.get("arguments") or {}
+        if call["name"] == "execute_bash":
+            command = str(args.get("command", ""))
+            tools |= tool_types(command)
+        else:
+            tools |= {_CALL_KINDS.get((call["name"], args.get("command")), "other")}
+    tools = tools or (tool_types(command) if command else frozenset({"other"}))
     observation = node.observation or ""
     m = _OUTPUT.search(observation)
     output = m.group(1) if m else observation
@@ -211,6 +230,7 @@ def view_step(index: int, node: Node) -> StepView:
         _read_output(v)
     else:
         v.failed = v.timed_out or v.format_error  # e.g. a reply without exactly one bash block
+        v.failed = v.failed or observation.startswith("ERROR:")  # a file_editor/search error
     return v
 
 

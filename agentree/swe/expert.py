@@ -52,6 +52,7 @@ from agentree.models.sft import SFTConfig, example_from_messages, run_sft
 from agentree.prompts import load, placeholders, render
 from agentree.swe.generate import fixed_files
 from agentree.swe.mutate import mutations
+from agentree.tools import ToolCall, tool_schemas
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
 GREP = 'grep -rnF --include=*.py --exclude-dir=tests "'
@@ -574,8 +575,38 @@ def write_trajectories(
 
 def _conversations(
     records: Sequence[dict[str, Any]], cfg: WarmConfig
-) -> list[list[dict[str, str]]]:
-    return conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies, cfg.edit)
+) -> list[list[dict[str, Any]]]:
+    convs = conversations(records, cfg.per_task, cfg.tries, cfg.seed, cfg.renamed_copies, cfg.edit)
+    return [tool_form(c) for c in convs] if cfg.action_format == "tools" else convs
+
+
+def tool_form(messages: Sequence[dict[str, Any]], step_limit: int = 50) -> list[dict[str, Any]]:
+    """An expert conversation as SWEEnv's tool mode plays it: the tool-mode task prompt, each
+    command an `execute_bash` call (the submit command a `submit` call) after the THOUGHT,
+    each output a `tool` message answering it."""
+    issue = re.search(r"<issue>\n(.*)\n</issue>", messages[0]["content"], re.S)
+    if issue is None:
+        raise ValueError("the conversation does not open with the SWE task prompt")
+    first = render(
+        "swe/instance_tools.txt",
+        problem_statement=issue.group(1),
+        workdir="/testbed",
+        step_limit=step_limit,
+    )
+    out: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    call_id = ""
+    for i, m in enumerate(messages[1:]):
+        if m["role"] != "assistant":
+            out.append({"role": "tool", "tool_call_id": call_id, "content": m["content"]})
+            continue
+        (command,) = parse_commands(m["content"])
+        thought = m["content"].split("```", 1)[0].strip()
+        submit = command.strip() == f"echo {SENTINEL}"
+        call = ToolCall("submit") if submit else ToolCall("execute_bash", {"command": command})
+        call_id = f"call_{i}"
+        call = ToolCall(call.name, call.arguments, call_id)
+        out.append({"role": "assistant", "content": thought, "tool_calls": [call.to_openai()]})
+    return out
 
 
 def expert_policy(
@@ -644,6 +675,9 @@ class WarmConfig(BaseModel):
     edit: Edit = "sed"
     """How the expert writes one-line edits (`EDITS`); kept in the checkpoint
     (`WARM_CONFIG`) so the per-turn match compares the policy with the expert it learned."""
+    action_format: Literal["text", "tools"] = "text"
+    """text: bash blocks; tools: the same commands as `execute_bash` calls and `submit`
+    (`tool_form`), for SWEEnv's tool mode."""
 
 
 WARM_CONFIG = "swe_warm.json"
@@ -678,23 +712,33 @@ def warm_policy(
         raise ValueError("no expert trajectory could be made from these tasks")
     if len(convs) > cfg.max_trajectories:
         convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
-    key = content_key({"convs": convs, "cfg": cfg.model_dump(), "v": 3})
+    # a setting at its default stays out of the key when it was added after builds were cached
+    dumped = cfg.model_dump(exclude={"action_format"} if cfg.action_format == "text" else None)
+    key = content_key({"convs": convs, "cfg": dumped, "v": 3})
     target = out_dir or cache_root() / "swe-warm" / key
     if (target / "config.json").exists():
         return target
-    env = SWEEnv()
-    system = env.system_prompt
+    env = SWEEnv(action_format=cfg.action_format)
+    system, tools = env.system_prompt, tool_schemas(env.tools())
     env.close()
     if cfg.base != "tiny":
-        return _warm_real_model(convs, cfg, system, target, log)
+        return _warm_real_model(convs, cfg, system, target, log, tools)
     corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
+    if tools:  # the generic tools rendering and the calls as the policy writes them
+        chat_text = [json.dumps(t) for t in tools] + [load("tools/hermes.txt")]
+        calls = [
+            json.dumps(c["function"]) for cv in convs for m in cv for c in m.get("tool_calls", [])
+        ]
+        corpus += chat_text + calls
     shape = cfg.model.model_copy(update={"seed": cfg.seed})
 
     def write(tmp: Path) -> None:
         atomic = (*ATOMIC, *template_pieces())
         base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base", log=log)
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
-        run_sft(base, convs, tmp, sft, system=system, log=log, state_dir=_sft_state(target))
+        run_sft(
+            base, convs, tmp, sft, system=system, tools=tools, log=log, state_dir=_sft_state(target)
+        )
         shutil.rmtree(tmp / "base")
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
@@ -713,6 +757,7 @@ def _warm_real_model(
     system: str,
     target: Path,
     log: Callable[[str], None],
+    tools: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Fine-tune a pretrained model on the trajectories, saying beforehand how many tokens that
     is and about how long it takes on a CPU."""
@@ -721,7 +766,7 @@ def _warm_real_model(
 
     base = local_policy(cfg.base, log)
     chat = ChatFormat(AutoTokenizer.from_pretrained(base))
-    lengths = [len(example_from_messages(chat, c, system).token_ids) for c in convs]
+    lengths = [len(example_from_messages(chat, c, system, tools).token_ids) for c in convs]
     tokens = sum(min(n, cfg.max_length) for n in lengths) * cfg.epochs
     cut = sum(n > cfg.max_length for n in lengths)
     minutes = tokens / TRAINED_TOKENS_PER_S / 60
@@ -741,7 +786,9 @@ def _warm_real_model(
     )
 
     def write(tmp: Path) -> None:
-        run_sft(base, convs, tmp, sft, system=system, log=log, state_dir=_sft_state(target))
+        run_sft(
+            base, convs, tmp, sft, system=system, tools=tools, log=log, state_dir=_sft_state(target)
+        )
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
     return build_once(

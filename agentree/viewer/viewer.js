@@ -433,6 +433,15 @@
     return t;
   }
 
+  // a turn's parsed calls as name(arg=value, ...) lines (agentree.tools.ToolCall.readable)
+  function toolCalls(calls) {
+    if (!calls.length) return "(none)";
+    return calls.map((c) => {
+      const args = Object.entries(c.arguments || {}).map(([k, v]) => `${k}=${JSON.stringify(v)}`);
+      return `${c.name}(${args.join(", ")})`;
+    }).join("\n");
+  }
+
   function block(parent, title, text, open = true) {
     if (text === null || text === undefined || text === "") return;
     if (open) {
@@ -487,6 +496,8 @@
     ]);
     if (id === 0 && tree.task) block(box, "task", JSON.stringify(tree.task, null, 1), false);
     block(box, "action", n.action);
+    if (n.info.tool_calls) block(box, "tool calls", toolCalls(n.info.tool_calls));
+    if (n.info.tool_error) block(box, "tool call error", n.info.tool_error);
     block(box, "observation", n.observation);
     if (n.info.error) block(box, "error", n.info.error);
     scorer(box, n.info.scorer);

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -34,7 +34,9 @@ from agentree.envs.swe.images import ensure_image, ensure_images
 from agentree.envs.swe.instances import docker_id, from_record
 from agentree.envs.swe.runtime import install_signal_handlers
 from agentree.envs.swe.sandbox import Sandbox, SandboxConfig, SandboxError
+from agentree.envs.swe.tools import SWE_TOOLS, call_key, patch_calls, sandbox_command
 from agentree.prompts import render
+from agentree.tools import ToolCall, ToolSpec, as_tool_action, call_format
 
 SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SUBMIT_ACTION = f"THOUGHT: I am done; submit the changes.\n\n```bash\necho {SENTINEL}\n```"
@@ -86,6 +88,9 @@ class SWEConfig(EnvConfig):
     'registry/sweb.eval.x86_64.{docker_id}:latest' ({instance_id} and {docker_id} are filled)."""
     build_local: bool = True
     """Build missing images of the bundled local suite on demand."""
+    action_format: Literal["text", "tools"] = "text"
+    """text: one ```bash block per response (mini-swe-agent); tools: calls of execute_bash,
+    file_editor, search and submit (R2E-Gym / SWE-agent, `agentree.envs.swe.tools`)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ class SWEEnv(Env):
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = SWEConfig(**kwargs)
-        self.system_prompt = render("swe/system.txt")
+        self._tools = self.config.action_format == "tools"
+        self.system_prompt = render("swe/system_tools.txt" if self._tools else "swe/system.txt")
         install_signal_handlers()  # envs are usually built in the main thread, Docker calls not
         self._lock = threading.RLock()
         self._sandbox: Any = None
@@ -144,14 +150,29 @@ class SWEEnv(Env):
                 raise
             self._sandbox, self._instance, self._steps, self._done = sb, inst, 0, False
             self._apply_error = ""
-        obs = render(
+        return self._instance_prompt(inst, sb.config.workdir), {
+            "instance_id": inst.instance_id,
+            "image": inst.image,
+        }
+
+    def _instance_prompt(self, inst: Any, workdir: str) -> str:
+        if self._tools:
+            return render(
+                "swe/instance_tools.txt",
+                problem_statement=inst.problem_statement.strip(),
+                workdir=workdir,
+                step_limit=self.config.step_limit,
+            )
+        return render(
             "swe/instance.txt",
             problem_statement=inst.problem_statement.strip(),
-            workdir=sb.config.workdir,
+            workdir=workdir,
             step_limit=self.config.step_limit,
             sentinel=SENTINEL,
         )
-        return obs, {"instance_id": inst.instance_id, "image": inst.image}
+
+    def tools(self) -> list[ToolSpec]:
+        return list(SWE_TOOLS) if self._tools else []
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         with self._lock:
@@ -161,6 +182,8 @@ class SWEEnv(Env):
                 raise RuntimeError("the episode has ended; call reset() or restore() first")
             self._steps += 1
             info: dict[str, Any] = {"step": self._steps}
+            if self._tools:
+                return self._tool_step(action, info)
             commands = parse_commands(action)
             if len(commands) != 1:
                 info.update(action_key=FORMAT_ERROR_KEY, format_error=True)
@@ -170,22 +193,58 @@ class SWEEnv(Env):
             info.update(action_key=action_key(command), format_error=False)
             if is_submit(command):
                 return self._finish(info, truncated=False)
+            obs = self._bash(command, info)
+            if obs is None:
+                return self._finish(info, truncated=False)
+            return self._after_action(obs, info)
+
+    def _bash(self, command: str, info: dict[str, Any]) -> str | None:
+        """Run one command; its observation, or None when its output submits."""
+        res = self._sandbox.exec(
+            command, self.config.command_timeout, max_output=self.config.max_output
+        )
+        info.update(returncode=res.returncode, timed_out=res.timed_out, elapsed=res.elapsed)
+        applying = [ln.strip() for ln in command.splitlines() if _APPLY.search(ln)]
+        if applying and res.returncode != 0:
+            self._apply_error = f"{applying[-1]} (exit {res.returncode}): {res.output[-600:]}"
+        if res.output.lstrip().split("\n", 1)[0].strip() == SENTINEL:
+            return None
+        if res.timed_out:
+            return render(
+                "swe/timeout.txt", timeout=f"{self.config.command_timeout:g}", output=res.output
+            )
+        return render("swe/observation.txt", returncode=res.returncode, output=res.output)
+
+    def _tool_step(self, action: str, info: dict[str, Any]) -> tuple:
+        """One turn of tool calls, run in order; `submit` ends the episode at once."""
+        parsed = as_tool_action(action, SWE_TOOLS)
+        if parsed.error:
+            info.update(action_key=FORMAT_ERROR_KEY, format_error=True)
+            return self._after_action(render("swe/tool_error.txt", error=parsed.error), info)
+        info.update(action_key="\n".join(call_key(c) for c in parsed.calls), format_error=False)
+        results = []
+        for call in parsed.calls:
+            if call.name == "submit":
+                return self._finish(info, truncated=False)
+            if call.name == "execute_bash":
+                obs = self._bash(str(call.arguments["command"]), info)
+                if obs is None:
+                    return self._finish(info, truncated=False)
+                results.append(obs)
+                continue
             res = self._sandbox.exec(
-                command, self.config.command_timeout, max_output=self.config.max_output
+                sandbox_command(call),
+                self.config.command_timeout,
+                max_output=self.config.max_output,
             )
             info.update(returncode=res.returncode, timed_out=res.timed_out, elapsed=res.elapsed)
-            applying = [ln.strip() for ln in command.splitlines() if _APPLY.search(ln)]
-            if applying and res.returncode != 0:
-                self._apply_error = f"{applying[-1]} (exit {res.returncode}): {res.output[-600:]}"
-            if res.output.lstrip().split("\n", 1)[0].strip() == SENTINEL:
-                return self._finish(info, truncated=False)
             if res.timed_out:
-                obs = render(
-                    "swe/timeout.txt", timeout=f"{self.config.command_timeout:g}", output=res.output
-                )
+                timeout = f"{self.config.command_timeout:g}"
+                results.append(render("swe/timeout.txt", timeout=timeout, output=res.output))
             else:
-                obs = render("swe/observation.txt", returncode=res.returncode, output=res.output)
-            return self._after_action(obs, info)
+                results.append(res.output)
+        info["tool_results"] = results
+        return self._after_action("\n\n".join(results), info)
 
     def _after_action(self, obs: str, info: dict[str, Any]) -> tuple:
         if self._steps >= self.config.step_limit:
@@ -374,8 +433,13 @@ class SWEEnv(Env):
         ensure_images(instances, build=cfg.build_local, progress=progress or (lambda _: None))
 
     @classmethod
-    def scripted_policy(cls, name: str) -> Callable[[Task, list[tuple[str, str]]], str] | None:
-        """`gold` applies the reference patch then submits; `empty` submits at once."""
+    def scripted_policy(
+        cls, name: str, tools: Sequence[dict[str, Any]] = ()
+    ) -> Callable[[Task, list[tuple[str, str]]], str] | None:
+        """`gold` applies the reference patch then submits; `empty` submits at once. With
+        `tools` (tool mode) both act through the tools: the gold patch as file_editor edits."""
+        if tools:
+            return {"gold": gold_tool_policy, "empty": empty_tool_policy}.get(name)
         return {"gold": gold_policy, "empty": empty_policy}.get(name)
 
     def corpus(self, tasks: Sequence[Task]) -> list[str]:
@@ -453,6 +517,18 @@ def gold_policy(task: Task, history: Sequence[tuple[str, str]]) -> str:
 def empty_policy(task: Task, history: Sequence[tuple[str, str]]) -> str:
     """Submit without changing anything."""
     return SUBMIT_ACTION
+
+
+def gold_tool_policy(task: Task, history: Sequence[tuple[str, str]]) -> str:
+    """The gold patch through the tools, one call a turn (`patch_calls`), then `submit`."""
+    inst = _instance_from_options(task.options, None)
+    calls = [*patch_calls(inst.patch), ToolCall("submit")]
+    return call_format("hermes").format([calls[min(len(history), len(calls) - 1)]])
+
+
+def empty_tool_policy(task: Task, history: Sequence[tuple[str, str]]) -> str:
+    """Call `submit` without changing anything."""
+    return call_format("hermes").format([ToolCall("submit")])
 
 
 # -- task sources ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from agentree.engines.base import Completion
 from agentree.envs.base import Env, Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats
 from agentree.scorers.base import Score
+from agentree.tools import ToolAction, tool_schemas
 from agentree.tree import EndReason, Tree
 
 
@@ -70,6 +71,8 @@ class TurnRunner:
         """id() of the branches the budget ended in the last `advance` (they took no step)."""
         self._envs: list[Env] = []
         self._free: list[Env] = []
+        self.tools: list[dict[str, Any]] = []
+        """The envs' tool schemas (one factory, one tool set); empty: free-text actions."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, ctx.env_workers))
 
     def __enter__(self) -> TurnRunner:
@@ -96,6 +99,8 @@ class TurnRunner:
         if self._free:
             return self._free.pop()
         env = self.ctx.env_factory()
+        if not self._envs:
+            self.tools = tool_schemas(env.tools())
         self._envs.append(env)
         return env
 
@@ -160,7 +165,7 @@ class TurnRunner:
             if self.ctx.history is not None:  # every turn's prompt comes from the window
                 tree.meta["history"] = self.ctx.history
             env0 = envs[k]
-            prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt)
+            prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt, self.tools)
             tree.add_root(obs, prompt, {"env": info, **_key_info(key)})
             if fork:
                 root = Branch(tree, task, 0, env0, list(prompt))
@@ -264,7 +269,9 @@ class TurnRunner:
         if completions is None:
             completions = self.generate(live)
         chat = self.ctx.chat
-        actions = [chat.decode_action(c.token_ids) for c in completions]
+        actions = [
+            chat.parse_action(chat.decode_action(c.token_ids), self.tools) for c in completions
+        ]
 
         def step(args: tuple[Branch, str]) -> tuple[Any, float]:
             b, action = args
@@ -295,8 +302,15 @@ class TurnRunner:
                 continue
             (obs, reward, terminated, truncated, info), key = res
             finished = terminated or truncated
-            obs_ids = [] if finished else chat.observation_ids(obs, comp.token_ids)
+            results = self._tool_results(action, obs, info)
+            obs_ids = [] if finished else chat.observation_ids(obs, comp.token_ids, results)
             extra = {"env": info, "step_s": round(dt, 4), "finish": comp.finish_reason}
+            if isinstance(action, ToolAction):
+                extra["tool_calls"] = [
+                    {"name": c.name, "arguments": c.arguments} for c in action.calls
+                ]
+                if action.error:
+                    extra["tool_error"] = action.error
             extra.update(_key_info(key))
             if comp.entropies is not None:
                 extra["entropy"] = comp.entropies
@@ -327,6 +341,20 @@ class TurnRunner:
                 continue
             ended.append(b)
         return active, ended
+
+    def _tool_results(self, action: str, obs: str, info: dict[str, Any]) -> list[str] | None:
+        """The tool messages answering `action`'s calls (None: a user turn), counted."""
+        if not isinstance(action, ToolAction):
+            return None
+        extra = self.stats.extra
+        extra["tool_calls"] = extra.get("tool_calls", 0.0) + len(action.calls)
+        if action.error or info.get("format_error"):  # malformed, or refused by the env
+            extra["tool_call_errors"] = extra.get("tool_call_errors", 0.0) + 1
+        if not action.calls:  # nothing was called: the notice comes back as a user turn
+            return None
+        results = info.get("tool_results")
+        ok = isinstance(results, list) and len(results) == len(action.calls)
+        return [str(r) for r in results] if ok else [obs]
 
     def end(self, branch: Branch, reason: EndReason) -> None:
         """End a live branch early (e.g. pruned by score)."""

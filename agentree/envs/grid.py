@@ -1,0 +1,82 @@
+"""The `move(direction)` tool shared by the grid games (FrozenLake, Sokoban).
+
+With `action_format: tools` a grid env declares one tool, `move`, and reads the direction from
+the call; with `text` (the default) it reads its ```Move``` block as before. Either way a turn
+that is not exactly one well-formed move leaves the board unchanged and costs the env's
+invalid-action penalty.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from agentree import prompts
+from agentree.tools import ToolCall, as_tool_action, call_format
+
+ActionFormat = Literal["text", "tools"]
+DIRECTIONS = ("up", "down", "left", "right")
+
+MOVE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "description": "Move one cell in a direction.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "direction": {
+                    "type": "string",
+                    "enum": list(DIRECTIONS),
+                    "description": "Where to move: up, down, left or right.",
+                }
+            },
+            "required": ["direction"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def read_move(action: str) -> tuple[str | None, str | None]:
+    """(direction, None) for one well-formed `move` call, else (None, why not) in a sentence.
+
+    A plain string (a scripted policy, `check_env`) is read as hermes calls."""
+    parsed = as_tool_action(action, [MOVE_TOOL])
+    if parsed.error:
+        return None, parsed.error
+    if len(parsed.calls) != 1:
+        return None, f"call move exactly once per turn, not {len(parsed.calls)} times."
+    return str(parsed.calls[0].arguments["direction"]), None
+
+
+def move_call(direction: str) -> str:
+    """A `move` call as hermes text (demonstrations, example actions)."""
+    return call_format("hermes").format([ToolCall("move", {"direction": direction.lower()})])
+
+
+def move_action(direction: str, action_format: ActionFormat) -> str:
+    """A move as the policy writes it in `action_format`: ```Down``` or a `move` call."""
+    return move_call(direction) if action_format == "tools" else f"```{direction}```"
+
+
+def example_moves(action_format: ActionFormat) -> list[str]:
+    """Four moves and one invalid answer, in the env's action format."""
+    moves = ["Right", "Down", "Left", "Up"]
+    if action_format == "text":
+        return [f"```{m}```" for m in moves] + ["no move"]
+    return [move_call(m) for m in moves] + ["no move"]
+
+
+def tool_corpus(action_format: ActionFormat) -> list[str]:
+    """The tool-mode texts a tiny tokenizer must cover: the generic tools rendering, the
+    schema and the invalid-call notice (none in text mode)."""
+    if action_format == "text":
+        return []
+    listing = json.dumps(MOVE_TOOL)
+    return [
+        prompts.render("tools/hermes.txt", system="", tools=listing),
+        prompts.load("tools/invalid_move.txt"),
+        "Invalid action: bad arguments for move: direction: 'north' is not one of "
+        "['up', 'down', 'left', 'right']. malformed tool call: unknown tool",
+    ]

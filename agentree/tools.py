@@ -1,0 +1,383 @@
+"""Native tool calling: tool schemas, the calls a policy writes, and their parsers.
+
+An env declares its tools with `Env.tools()`: OpenAI-style function schemas
+(`{"type": "function", "function": {"name", "description", "parameters"}}`) or plain Python
+functions with type hints and a Google-style docstring, turned into schemas by
+`transformers.utils.get_json_schema`. The policy writes calls in its own format; a parser chosen
+by name reads them back:
+
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5/Qwen3 and
+  Hermes emit it; several blocks make several calls.
+- `llama3_json`: a bare JSON object `{"name": ..., "parameters": {...}}` (Llama 3.x), optionally
+  after `<|python_tag|>`; several objects separated by `;` or newlines.
+- `pythonic`: a Python list of calls, `[move(direction="up"), submit()]` (Llama 3.2/4).
+- `text`: no parsing; the env reads the free text itself (every env before tools).
+
+A parsed turn reaches `Env.step` as a `ToolAction`: a `str` holding the raw text, so envs that
+read text keep working, with `.calls` (name, arguments) and `.error` (why the turn is not a
+well-formed call: bad JSON, an unknown tool, arguments that fail the schema, no call at all).
+Arguments are checked with `jsonschema` when it is installed, else with the subset of JSON
+Schema that function signatures use (required, type, enum, additionalProperties).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentree.registry import Registry
+
+ToolSpec = dict[str, Any] | Callable[..., Any]
+"""What `Env.tools()` may list: an OpenAI function schema or a documented Python function."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call: its name and JSON arguments (`id` as the OpenAI API numbers it)."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as an OpenAI `tool_calls` entry (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
+
+    def readable(self) -> str:
+        """`name(key=value, ...)`: how judges, PRMs and the viewer show the call."""
+        args = ", ".join(f"{k}={json.dumps(v)}" for k, v in self.arguments.items())
+        return f"{self.name}({args})"
+
+
+class ToolAction(str):
+    """The raw text of a turn (it *is* that string) with the calls parsed from it.
+
+    `calls` holds the well-formed calls in order; `error` says, in one sentence the policy can
+    act on, why the turn is not a well-formed call (then `calls` may still hold the ones before
+    the bad one, but envs should treat the turn as invalid).
+    """
+
+    calls: tuple[ToolCall, ...]
+    error: str | None
+
+    def __new__(
+        cls, text: str, calls: Sequence[ToolCall] = (), error: str | None = None
+    ) -> ToolAction:
+        obj = super().__new__(cls, text)
+        obj.calls = tuple(calls)
+        obj.error = error
+        return obj
+
+    def readable(self) -> str:
+        """The calls as `name(args)` lines, or the raw text when there are none."""
+        return "\n".join(c.readable() for c in self.calls) if self.calls else str(self)
+
+
+# -- schemas ------------------------------------------------------------------------------------
+def tool_schema(spec: ToolSpec) -> dict[str, Any]:
+    """An OpenAI function schema from a schema (checked) or a documented Python function."""
+    if callable(spec) and not isinstance(spec, dict):
+        # deferred: transformers is heavy and only function-declared tools need its converter
+        from transformers.utils import get_json_schema
+
+        try:
+            return get_json_schema(spec)
+        except Exception as e:  # its errors name the missing docstring/type hint
+            raise ValueError(f"tool {getattr(spec, '__name__', spec)!r}: {e}") from None
+    fn = spec.get("function", spec) if isinstance(spec, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(
+            f"a tool must be a function schema like {{'type': 'function', 'function': "
+            f"{{'name': ..., 'parameters': {{...}}}}}} or a typed Python function, got {spec!r}"
+        )
+    fn = dict(fn)
+    fn.setdefault("parameters", {"type": "object", "properties": {}})
+    return {"type": "function", "function": fn}
+
+
+def tool_schemas(specs: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """`tool_schema` of each spec; two tools with one name are an error."""
+    out = [tool_schema(s) for s in specs]
+    names = [s["function"]["name"] for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tool names must be unique, got {names}")
+    return out
+
+
+def check_call(call: ToolCall, schemas: Sequence[dict[str, Any]]) -> str | None:
+    """Why `call` does not fit the declared tools (one sentence), or None when it does."""
+    by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    if call.name not in by_name:
+        return f"unknown tool {call.name!r}; the tools are: {', '.join(sorted(by_name))}."
+    params = by_name[call.name].get("parameters") or {"type": "object"}
+    problem = _schema_problem(call.arguments, params)
+    return None if problem is None else f"bad arguments for {call.name}: {problem}."
+
+
+def _schema_problem(args: dict[str, Any], schema: dict[str, Any]) -> str | None:
+    try:
+        # deferred: jsonschema is optional; without it a built-in subset does the check
+        import jsonschema
+    except ImportError:
+        return _subset_problem(args, schema, "")
+    errors = sorted(
+        jsonschema.Draft202012Validator(schema).iter_errors(args), key=lambda e: list(e.path)
+    )
+    if not errors:
+        return None
+    e = errors[0]
+    where = "/".join(str(p) for p in e.path)
+    return f"{where}: {e.message}" if where else e.message
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def _subset_problem(value: Any, schema: dict[str, Any], where: str) -> str | None:
+    """The JSON Schema subset that function signatures use: type, enum, required,
+    properties, additionalProperties, items."""
+    prefix = f"{where}: " if where else ""
+    types = schema.get("type")
+    if types is not None:
+        allowed = [types] if isinstance(types, str) else list(types)
+        ok = any(
+            isinstance(value, _JSON_TYPES.get(t, (object,)))
+            and not (t in ("integer", "number") and isinstance(value, bool))
+            for t in allowed
+        )
+        if not ok:
+            return f"{prefix}{value!r} is not of type {', '.join(map(repr, allowed))}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{prefix}{value!r} is not one of {schema['enum']}"
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                return f"{prefix}{key!r} is a required property"
+        props = schema.get("properties", {})
+        for key, v in value.items():
+            if key in props:
+                problem = _subset_problem(v, props[key], f"{where}/{key}".lstrip("/"))
+                if problem:
+                    return problem
+            elif schema.get("additionalProperties") is False:
+                return f"{prefix}Additional properties are not allowed ({key!r} was unexpected)"
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            problem = _subset_problem(v, schema["items"], f"{where}/{i}".lstrip("/"))
+            if problem:
+                return problem
+    return None
+
+
+# -- parsers ------------------------------------------------------------------------------------
+class CallFormat:
+    """How one family of models writes calls: `parse` reads a turn, `format` writes calls.
+
+    `parse` only splits the text into calls (raising `ValueError` with a readable reason on a
+    malformed one); `parse_action` adds the checks against the declared tools.
+    """
+
+    name = "text"
+    generic_prompt: str | None = None
+    """Prompt template (under `agentree/prompts/`) that teaches this format to a model whose
+    chat template cannot render tools; None for `text`."""
+
+    def parse(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        raise NotImplementedError
+
+    def parse_action(self, text: str, schemas: Sequence[dict[str, Any]]) -> ToolAction:
+        """`text` with its calls, or with the first reason it is not a well-formed call."""
+        try:
+            calls = self.parse(text)
+        except ValueError as e:
+            return ToolAction(text, (), f"malformed tool call: {e}.")
+        if not calls:
+            names = ", ".join(s["function"]["name"] for s in schemas)
+            return ToolAction(text, (), f"no tool call found; call one of: {names}.")
+        calls = [ToolCall(c.name, c.arguments, c.id or f"call_{i}") for i, c in enumerate(calls)]
+        for i, call in enumerate(calls):
+            problem = check_call(call, schemas)
+            if problem is not None:
+                return ToolAction(text, calls[:i], problem)
+        return ToolAction(text, calls)
+
+
+class TextFormat(CallFormat):
+    """Free-text actions: the env parses the text (no calls are read here)."""
+
+    name = "text"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return []
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        raise ValueError("the text format has no tool calls; pick hermes, llama3_json or pythonic")
+
+
+def _call_from_json(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError('a call must be a JSON object with a string "name"')
+    key = next((k for k in arg_keys if k in obj), None)
+    args = obj.get(key, {}) if key else {}
+    if isinstance(args, str):  # some models write the arguments as a JSON string, as the API does
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the arguments of {obj['name']} are not JSON ({e.msg})") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"the arguments of {obj['name']} must be a JSON object")
+    return ToolCall(obj["name"], args)
+
+
+class HermesFormat(CallFormat):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen, Hermes)."""
+
+    name = "hermes"
+    generic_prompt = "tools/hermes.txt"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for body in self._BLOCK.findall(text):
+            try:
+                obj = json.loads(body.strip())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the <tool_call> body is not JSON ({e.msg})") from None
+            calls.append(_call_from_json(obj, ("arguments", "parameters")))
+        return calls
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        return "\n".join(
+            "<tool_call>\n"
+            + json.dumps({"name": c.name, "arguments": c.arguments})
+            + "\n</tool_call>"
+            for c in calls
+        )
+
+
+class Llama3JsonFormat(CallFormat):
+    """`{"name": ..., "parameters": {...}}` objects (Llama 3.x JSON tool calling)."""
+
+    name = "llama3_json"
+    generic_prompt = "tools/llama3_json.txt"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        body = text.replace("<|python_tag|>", "").strip()
+        if not body.startswith("{"):
+            return []
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while i < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, i)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the call is not JSON ({e.msg} at character {e.pos})") from None
+            calls.append(_call_from_json(obj, ("parameters", "arguments")))
+            i = end
+            while i < len(body) and body[i] in " \t\r\n;":
+                i += 1
+        return calls
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+class PythonicFormat(CallFormat):
+    """`[name(arg=value, ...), ...]`: a Python list of calls with literal keyword arguments."""
+
+    name = "pythonic"
+    generic_prompt = "tools/pythonic.txt"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        body = text.replace("<|python_start|>", "").replace("<|python_end|>", "").strip()
+        if not body.startswith("["):
+            return []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError as e:
+            raise ValueError(f"the call list is not valid Python ({e.msg})") from None
+        if not isinstance(tree, ast.List):
+            raise ValueError("the calls must be one Python list, e.g. [name(arg=value)]")
+        return [self._call(node) for node in tree.elts]
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            raise ValueError(f"{ast.unparse(node)!r} is not a call like name(arg=value)")
+        if node.args:
+            raise ValueError(f"{node.func.id} takes keyword arguments only (arg=value)")
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:
+                raise ValueError(f"{node.func.id}: **kwargs are not allowed")
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError:
+                raise ValueError(
+                    f"{node.func.id}({kw.arg}=...) must be a literal, got {ast.unparse(kw.value)}"
+                ) from None
+        return ToolCall(node.func.id, args)
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        parts = [
+            f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})" for c in calls
+        ]
+        return "[" + ", ".join(parts) + "]"
+
+
+CALL_FORMATS: Registry[type[CallFormat]] = Registry(
+    "tool call format",
+    CallFormat,
+    {
+        "text": "agentree.tools:TextFormat",
+        "hermes": "agentree.tools:HermesFormat",
+        "llama3_json": "agentree.tools:Llama3JsonFormat",
+        "pythonic": "agentree.tools:PythonicFormat",
+    },
+)
+
+
+def call_format(name: str) -> CallFormat:
+    """The parser registered as `name` (text, hermes, llama3_json, pythonic or module:Class)."""
+    return CALL_FORMATS.get(name)()
+
+
+def as_tool_action(
+    action: str, schemas: Sequence[dict[str, Any]], fmt: str = "hermes"
+) -> ToolAction:
+    """`action` parsed against `schemas` (already parsed actions pass through).
+
+    Envs call this in `step`: the rollout parses with the configured format, while scripted
+    policies and `check_env` hand plain text, read in `fmt` (the generic rendering's format).
+    """
+    if isinstance(action, ToolAction):
+        return action
+    return call_format(fmt).parse_action(action, schemas)
+
+
+def readable_action(action: str | None, info: dict[str, Any]) -> str:
+    """A tree node's action for a reader (judge, PRM, viewer): its tool calls as `name(args)`
+    lines when the turn made any (the rollout records them in `info["tool_calls"]`), else the
+    action text."""
+    calls = info.get("tool_calls")
+    if not calls:
+        return action or ""
+    return "\n".join(ToolCall(c["name"], c.get("arguments") or {}).readable() for c in calls)

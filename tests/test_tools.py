@@ -1,0 +1,492 @@
+"""Native tool calling: schemas, argument validation, the four call formats on hand-written
+model outputs (malformed ones included), the rendering of tools through a chat template, and
+token-exact multi-turn tool rollouts on the real SmolLM2 tokenizer and on a template that
+re-renders history (Qwen3-style reasoning stripping)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from helpers import ScriptedEngine
+
+from agentree import tools as T
+from agentree.algorithms.batching import make_batch
+from agentree.chat import ChatFormat
+from agentree.engines.base import SamplingParams
+from agentree.envs import check_env, make_env
+from agentree.rollout.base import RolloutContext, make_controller
+from agentree.scorers import make_scorer
+from agentree.tools import ToolAction, ToolCall, call_format, check_call, tool_schemas
+
+
+def edit(path: str, old_str: str, new_str: str = "", count: int = 1) -> str:
+    """Replace text in a file.
+
+    Args:
+        path: The file to edit.
+        old_str: The text to replace.
+        new_str: The replacement.
+        count: How many occurrences to replace.
+    """
+    return path
+
+
+MOVE = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "description": "Move one cell.",
+        "parameters": {
+            "type": "object",
+            "properties": {"direction": {"type": "string", "enum": ["up", "down"]}},
+            "required": ["direction"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+# -- schemas and validation ---------------------------------------------------------------------
+def test_a_typed_documented_function_becomes_an_openai_schema():
+    (schema,) = tool_schemas([edit])
+    fn = schema["function"]
+    assert schema["type"] == "function" and fn["name"] == "edit"
+    assert fn["description"] == "Replace text in a file."
+    assert fn["parameters"]["required"] == ["path", "old_str"]
+    assert fn["parameters"]["properties"]["count"] == {
+        "type": "integer",
+        "description": "How many occurrences to replace.",
+    }
+
+
+def test_bad_tool_specs_fail_with_one_sentence():
+    with pytest.raises(ValueError, match="function schema"):
+        tool_schemas([{"type": "function", "function": {"description": "no name"}}])
+    with pytest.raises(ValueError, match="unique"):
+        tool_schemas([MOVE, MOVE])
+
+    def undocumented(x: int) -> int:
+        return x
+
+    with pytest.raises(ValueError, match="undocumented"):
+        tool_schemas([undocumented])
+    # a bare function object without "type" is accepted and completed
+    (s,) = tool_schemas([{"name": "submit"}])
+    assert s["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("validator", ["jsonschema", "builtin"])
+def test_arguments_are_checked_against_the_schema(validator, monkeypatch):
+    if validator == "builtin":  # the subset used when jsonschema is not installed
+        monkeypatch.setattr(T, "_schema_problem", lambda a, s: T._subset_problem(a, s, ""))
+    schemas = tool_schemas([MOVE, edit])
+    assert check_call(ToolCall("move", {"direction": "up"}), schemas) is None
+    assert check_call(ToolCall("edit", {"path": "a", "old_str": "b", "count": 2}), schemas) is None
+    assert (
+        check_call(ToolCall("jump", {}), schemas)
+        == "unknown tool 'jump'; the tools are: edit, move."
+    )
+    bad_enum = check_call(ToolCall("move", {"direction": "north"}), schemas)
+    assert bad_enum.startswith("bad arguments for move: direction: 'north' is not one of")
+    missing = check_call(ToolCall("edit", {"path": "a"}), schemas)
+    assert missing == "bad arguments for edit: 'old_str' is a required property."
+    wrong_type = check_call(ToolCall("edit", {"path": "a", "old_str": "b", "count": "2"}), schemas)
+    assert wrong_type.startswith("bad arguments for edit: count: ") and "integer" in wrong_type
+    extra = check_call(ToolCall("move", {"direction": "up", "speed": 2}), schemas)
+    assert extra.startswith("bad arguments for move:") and "speed" in extra
+    boolean = check_call(ToolCall("edit", {"path": "a", "old_str": "b", "count": True}), schemas)
+    assert boolean is not None  # JSON Schema: a boolean is not an integer
+
+
+# -- the call formats on hand-written outputs ---------------------------------------------------
+def _parse(fmt: str, text: str) -> ToolAction:
+    return call_format(fmt).parse_action(text, tool_schemas([MOVE, edit]))
+
+
+def test_hermes_reads_one_or_several_tool_call_blocks():
+    one = _parse(
+        "hermes",
+        'I will go up.\n<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n'
+        "</tool_call>",
+    )
+    assert one.error is None and one.calls == (ToolCall("move", {"direction": "up"}, "call_0"),)
+    assert str(one).startswith("I will go up.")  # the raw text stays the action
+    two = _parse(
+        "hermes",
+        '<tool_call>{"name": "move", "arguments": {"direction": "up"}}</tool_call>\n'
+        '<tool_call>{"name": "edit", "arguments": "{\\"path\\": \\"a\\", \\"old_str\\": \\"b\\"}"}'
+        "</tool_call>",
+    )
+    assert [c.name for c in two.calls] == ["move", "edit"] and two.error is None
+    assert two.calls[1].arguments == {"path": "a", "old_str": "b"} and two.calls[1].id == "call_1"
+    # cut off by max_tokens after the JSON: the unterminated block still counts
+    cut = _parse("hermes", '<tool_call>\n{"name": "move", "arguments": {"direction": "down"}}')
+    assert cut.calls[0].arguments == {"direction": "down"}
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("I think I should move up.", "no tool call found; call one of: move, edit."),
+        ('<tool_call>{"name": "move", "arguments": {"direction": "up"</tool_call>', "not JSON"),
+        (
+            '<tool_call>["move", "up"]</tool_call>',
+            'a call must be a JSON object with a string "name"',
+        ),
+        ('<tool_call>{"name": "move", "arguments": [1]}</tool_call>', "must be a JSON object"),
+        ('<tool_call>{"name": "fly", "arguments": {}}</tool_call>', "unknown tool 'fly'"),
+        ('<tool_call>{"name": "move", "arguments": {}}</tool_call>', "'direction' is a required"),
+    ],
+)
+def test_hermes_malformed_calls_become_one_sentence_errors(text, error):
+    action = _parse("hermes", text)
+    assert action.error is not None and error in action.error and action.error.endswith(".")
+
+
+def test_llama3_json_reads_objects_with_parameters():
+    one = _parse("llama3_json", '<|python_tag|>{"name": "move", "parameters": {"direction": "up"}}')
+    assert one.error is None and one.calls[0].arguments == {"direction": "up"}
+    two = _parse(
+        "llama3_json",
+        '{"name": "move", "parameters": {"direction": "up"}}; '
+        '{"name": "move", "arguments": {"direction": "down"}}',
+    )
+    assert [c.arguments["direction"] for c in two.calls] == ["up", "down"]
+    assert "no tool call found" in _parse("llama3_json", "Let me think.").error
+    bad = _parse("llama3_json", '{"name": "move", "parameters": {"direction": up}}')
+    assert bad.error.startswith("malformed tool call: the call is not JSON")
+
+
+def test_pythonic_reads_a_list_of_keyword_calls():
+    two = _parse("pythonic", '[move(direction="up"), edit(path="a.py", old_str="x", count=2)]')
+    assert two.error is None
+    assert two.calls[1] == ToolCall("edit", {"path": "a.py", "old_str": "x", "count": 2}, "call_1")
+    assert _parse("pythonic", "[]").error.startswith("no tool call found")
+    for text, error in [
+        ('[move("up")]', "keyword arguments only"),
+        ("[move(direction=up)]", "must be a literal"),
+        ('[move(direction="up")', "not valid Python"),
+        ("[3]", "is not a call"),
+        ("[move(**kw)]", "**kwargs"),
+    ]:
+        assert error in _parse("pythonic", text).error
+
+
+def test_text_format_reads_no_calls_and_each_format_round_trips():
+    assert call_format("text").parse("<tool_call>{}</tool_call>") == []
+    calls = [ToolCall("move", {"direction": "up"}), ToolCall("edit", {"path": "a", "old_str": "b"})]
+    for fmt in ("hermes", "llama3_json", "pythonic"):
+        back = _parse(fmt, call_format(fmt).format(calls))
+        assert [(c.name, c.arguments) for c in back.calls] == [(c.name, c.arguments) for c in calls]
+    with pytest.raises(ValueError, match="unknown tool call format 'xml'"):
+        call_format("xml")
+    assert ToolCall("move", {"direction": "up"}).readable() == 'move(direction="up")'
+    assert json.loads(calls[0].to_openai()["function"]["arguments"]) == {"direction": "up"}
+
+
+# -- grid envs in tool mode -----------------------------------------------------------------------
+@pytest.mark.parametrize("env", ["frozenlake", "sokoban"])
+def test_grid_envs_in_tool_mode_pass_check_env_and_penalise_bad_calls(env):
+    e = make_env(env, action_format="tools", invalid_penalty=0.1)
+    assert check_env(e)["forkable"]
+    assert e.tools()[0]["function"]["name"] == "move"
+    task = type(e).load_tasks(1)[0]
+    e.reset(seed=task.seed, options=task.options)
+    state = e.snapshot()
+    obs, reward, *_, info = e.step(
+        '<tool_call>{"name": "move", "arguments": {"direction": "west"}}'
+    )
+    assert reward == -0.1 and info["format_error"] is True
+    assert obs.startswith("Invalid action: bad arguments for move: direction: 'west' is not one of")
+    e.restore(state)
+    two = '<tool_call>{"name": "move", "arguments": {"direction": "up"}}</tool_call>' * 2
+    obs, *_ = e.step(two)
+    assert obs.startswith("Invalid action: call move exactly once per turn, not 2 times.")
+    e.close()
+
+
+# -- rendering and token-exact rollouts ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def test_chatml_without_tools_support_gets_the_generic_rendering(smol_tokenizer):
+    chat = ChatFormat(smol_tokenizer, "hermes")
+    assert not chat.native_tools  # SmolLM2's ChatML ignores `tools`
+    text = smol_tokenizer.decode(chat.prompt_ids("P _ G", "Walk.", [MOVE]))
+    assert text.startswith("<|im_start|>system\nWalk.\n\n# Tools\n")
+    assert json.dumps(MOVE) in text and "<tool_call></tool_call> XML tags" in text
+    action = [*smol_tokenizer.encode("<tool_call>{}</tool_call>", add_special_tokens=False), 2]
+    glue = smol_tokenizer.decode(chat.observation_ids("_ P G", action, ["r1", "r2"]))
+    assert glue == (
+        "\n<|im_start|>tool\nr1<|im_end|>\n<|im_start|>tool\nr2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    pythonic = ChatFormat(smol_tokenizer, "pythonic")
+    assert "[func_name1(" in smol_tokenizer.decode(pythonic.prompt_ids("x", None, [MOVE]))
+
+
+# A Qwen3-style template: tools in the system turn, tool results in user turns, and the
+# reasoning of assistant turns before the last real user turn stripped on re-rendering.
+QWEN3_LIKE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}"
+    "{{ messages[0].content }}\n\n{% endif %}# Tools\n<tools>\n{% for t in tools %}"
+    "{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{% endif %}"
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}{%- set c = m.content %}"
+    "{%- if loop.index0 < ns.last and '</think>' in c %}"
+    "{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "<|im_start|>assistant\n{{ c }}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+DESC = ["SFF", "FHF", "FFG"]  # right, right, down, down reaches G
+
+
+def _moves(reasoning: bool):
+    """Turn by turn: a call without JSON, then two calls in one turn, then the path to G."""
+    call = call_format("hermes").format
+    script = [
+        "<tool_call>{move: up}</tool_call>",
+        call([ToolCall("move", {"direction": "up"})] * 2),
+        *[call([ToolCall("move", {"direction": d})]) for d in ("right", "right", "down", "down")],
+    ]
+
+    def choose(text: str, i: int) -> str:
+        turn = text.count("<|im_start|>assistant") - 1
+        out = script[min(turn, len(script) - 1)]
+        return f"<think>turn {turn}: thinking</think>\n{out}" if reasoning else out
+
+    return choose
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted policy, remembering every completion it sampled."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sampled: list[list[int]] = []
+
+    def generate(self, prompts, params):
+        outs = super().generate(prompts, params)
+        self.sampled += [list(o[0].token_ids) for o in outs]
+        return outs
+
+
+def _tool_rollout(tokenizer, reasoning: bool):
+    chat = ChatFormat(tokenizer, "hermes")
+    engine = RecordingEngine(tokenizer, _moves(reasoning))
+    ctx = RolloutContext(
+        engine=engine,
+        chat=chat,
+        sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
+        env_factory=lambda: make_env("frozenlake", action_format="tools", max_turns=8),
+        scorer=make_scorer("none"),
+        rng=random.Random(0),
+    )
+    controller = make_controller("grpo", G=2)
+    (tree,), stats = controller.rollout([T_TASK], ctx)
+    return chat, engine, tree, stats, controller.group(tree)
+
+
+T_TASK = __import__("agentree.envs.base", fromlist=["Task"]).Task("t", options={"desc": DESC})
+
+
+def _check_token_exact(chat, engine, tree, stats, group):
+    assert stats.extra["tool_call_errors"] == 2 * 2 and stats.extra["tool_calls"] == 2 * 6
+    advs = [[1.0] * len(t.token_ids) for t in group]
+    batch = make_batch(group, advs, pad=0)
+    for row, t in enumerate(group):
+        path = tree.path(t.leaf)
+        assert t.reward == 1.0 and len(path) == 7  # G reached on the sixth turn
+        # what the trainer learns from is exactly what was sampled, turn after turn
+        ids = batch.ids[row, 1:][batch.mask[row].bool()].tolist()
+        turns = [n.action_ids for n in path[1:]]
+        assert ids == [x for a in turns for x in a]
+        assert all(a in engine.sampled for a in turns)
+        # and the context is prompt + sampled + glue, nothing re-rendered
+        assert list(t.token_ids) == [
+            *path[0].obs_ids,
+            *[x for n in path[1:] for x in n.action_ids + n.obs_ids],
+        ]
+        assert path[1].info["tool_error"].startswith("malformed tool call")
+        assert path[3].info["tool_calls"] == [{"name": "move", "arguments": {"direction": "right"}}]
+    return group[0]
+
+
+def test_multi_turn_tool_rollout_is_token_exact_on_smollm2(smol_tokenizer):
+    chat, engine, tree, stats, group = _tool_rollout(smol_tokenizer, reasoning=False)
+    t = _check_token_exact(chat, engine, tree, stats, group)
+    text = smol_tokenizer.decode(t.token_ids)
+    # the malformed turn is answered in a user turn, the calls in tool turns
+    assert "<|im_start|>user\nInvalid action: malformed tool call" in text
+    assert text.count("<|im_start|>tool\n") == 4
+
+
+def test_a_template_that_rewrites_history_still_trains_on_the_sampled_ids(smol_tokenizer):
+    tok = __import__("copy").deepcopy(smol_tokenizer)
+    tok.chat_template = QWEN3_LIKE
+    chat, engine, tree, stats, group = _tool_rollout(tok, reasoning=True)
+    assert chat.native_tools
+    t = _check_token_exact(chat, engine, tree, stats, group)
+    path = tree.path(t.leaf)
+    # the template itself, asked to render the same conversation, drops the first turn's
+    # reasoning (a user turn follows it): re-rendering would not give the sampled ids
+    messages = [
+        {"role": "system", "content": make_env("frozenlake", action_format="tools").system_prompt}
+    ]
+    messages.append({"role": "user", "content": path[0].observation})
+    messages.append({"role": "assistant", "content": path[1].action})
+    messages.append({"role": "user", "content": path[1].observation})
+    rerendered = tok.apply_chat_template(
+        messages, tools=[T.tool_schema(T_MOVE)], tokenize=False, add_generation_prompt=True
+    )
+    assert "turn 0: thinking" not in rerendered
+    ours = tok.decode([*path[0].obs_ids, *path[1].action_ids, *path[1].obs_ids])
+    assert "<think>turn 0: thinking</think>" in ours
+    assert ours.endswith(
+        "<|im_start|>user\n" + path[1].observation + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "<tool_response>\n" in tok.decode(t.token_ids)
+
+
+T_MOVE = __import__("agentree.envs.grid", fromlist=["MOVE_TOOL"]).MOVE_TOOL
+
+
+def test_judges_and_prms_read_calls_as_name_and_arguments():
+    from agentree.scorers.trajectory import view_step
+    from agentree.tools import readable_action
+    from agentree.tree import Tree
+
+    tree = Tree("t", {})
+    tree.add_root("issue", [1])
+    text = '<tool_call>{"name": "file_editor", "arguments": {...}}</tool_call>'
+    calls = [
+        [{"name": "file_editor", "arguments": {"command": "str_replace", "path": "/a.py"}}],
+        [{"name": "execute_bash", "arguments": {"command": "python -m pytest tests"}}],
+        [{"name": "file_editor", "arguments": {"command": "view", "path": "/a.py"}}],
+        [{"name": "submit", "arguments": {}}],
+    ]
+    kinds = []
+    for i, c in enumerate(calls):
+        node = tree.add_child(i, action=text, observation="ok", info={"tool_calls": c})
+        kinds.append(view_step(i + 1, node).tool)
+    assert kinds == ["edit", "test", "read", "finish"]
+    node = tree.nodes[1]
+    assert readable_action(node.action, node.info) == (
+        'file_editor(command="str_replace", path="/a.py")'
+    )
+    assert view_step(2, tree.nodes[2]).command == "python -m pytest tests"
+    assert readable_action("```Up```", {}) == "```Up```"  # free text stays as written
+
+
+# -- OpenAI messages with tools (what `agentree serve` answers) -----------------------------------
+def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_calls(
+    smol_tokenizer,
+):
+    from agentree.tool_messages import (
+        ToolRequestError,
+        completion_message,
+        render_request,
+        request_tools,
+    )
+
+    chat = ChatFormat(smol_tokenizer, "hermes")
+    body = {
+        "tools": [MOVE],
+        "messages": [
+            {"role": "system", "content": "Walk."},
+            {"role": "user", "content": "P _ G"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "move", "arguments": '{"direction": "up"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "_ P G"},
+        ],
+    }
+    tools = request_tools(body)
+    text = render_request(chat, body["messages"], tools)
+    # the same ids a rollout builds: prompt, the call as the policy writes it, the tool turn
+    call = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_call>'
+    action = [*chat.encode(call), chat.end_of_turn_id]
+    expected = chat.prompt_ids("P _ G", "Walk.", tools) + action
+    expected += chat.observation_ids("", action, ["_ P G"])
+    assert chat.encode(text) == expected
+    assert request_tools({**body, "tool_choice": "none"}) == []
+    with pytest.raises(ToolRequestError, match="function schema"):
+        request_tools({"tools": [{"type": "function"}]})
+
+    ids = iter(["call_a", "call_b"])
+    message, finish = completion_message(
+        chat, "Going up.\n" + call + "\n" + call, tools, "stop", lambda: next(ids)
+    )
+    assert finish == "tool_calls" and message["content"] == "Going up."
+    assert [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
+    assert message["tool_calls"][0]["function"] == {
+        "name": "move",
+        "arguments": '{"direction": "up"}',
+    }
+    # no call, or a malformed one: the text as written
+    for text in ("I am not sure.", '<tool_call>{"name": "move", "arguments": {}}</tool_call>'):
+        assert completion_message(chat, text, tools, "stop") == (
+            {"role": "assistant", "content": text},
+            "stop",
+        )
+
+
+def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_tokenizer):
+    """`agentree sft` on the expert's tool-call episodes trains on the layout a tool rollout
+    builds: the same prompt (tools declared), the same call text, the same tool turns."""
+    from agentree.envs.frozenlake import FrozenLakeEnv
+    from agentree.models.sft import example_from_messages
+    from agentree.models.warm import expert_episode
+
+    env = FrozenLakeEnv(action_format="tools")
+    for task in FrozenLakeEnv.generate_tasks(20, seed=7):  # the first with three moves or more
+        conv, success = expert_episode(env, task, 1.0, random.Random(0))
+        if len(conv) >= 5:
+            break
+    assert success and conv[1]["tool_calls"][0]["function"]["name"] == "move"
+    assert [m["role"] for m in conv[:4]] == ["user", "assistant", "tool", "assistant"]
+    chat = ChatFormat(smol_tokenizer, "hermes")
+    example = example_from_messages(chat, conv, env.system_prompt, tool_schemas(env.tools()))
+
+    moves = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in conv[1::2]]
+    hermes = call_format("hermes")
+
+    def choose(text: str, i: int) -> str:
+        turn = text.count("<|im_start|>assistant") - 1
+        return hermes.format([ToolCall("move", moves[turn])])
+
+    ctx = RolloutContext(
+        engine=ScriptedEngine(smol_tokenizer, choose),
+        chat=chat,
+        sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
+        env_factory=lambda: FrozenLakeEnv(action_format="tools"),
+        scorer=make_scorer("none"),
+        rng=random.Random(0),
+    )
+    (tree,), _ = make_controller("grpo", G=1).rollout([task], ctx)
+    (trajectory,) = tree.trajectories()
+    assert trajectory.reward == 1.0
+    assert list(trajectory.token_ids) == example.token_ids
+    assert list(trajectory.loss_mask) == example.loss_mask
