@@ -7,6 +7,8 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
 - `informative_share`: the share of tasks whose rollout group has rewards not all equal (a
   group with one reward for all teaches GRPO-style objectives nothing; an empty group counts
   as uninformative), and `informative_per_1k_steps`;
+- `outcome_informative_share`: the share whose group holds both a success and a failure, the
+  task's own signal (an invalid-action penalty alone makes rewards differ);
 - `successes_per_1k_steps`: successful trajectories of the groups per 1,000 env steps;
 - `distinct_states`: distinct env states visited per task (`Env.state_key`, else the text);
 - `forward_tokens_per_step`: tokens the policy computed (sampled + prefilled, prefix-cache hits
@@ -71,6 +73,7 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 METRICS = (
     "informative_share",
+    "outcome_informative_share",
     "informative_per_1k_steps",
     "successes_per_1k_steps",
     "success_rate",
@@ -85,12 +88,14 @@ METRICS = (
 def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str, float]:
     """The raw counts of one rollout; `metrics` turns summed counts into the reported rates."""
     out = {"tasks": 0, "informative": 0, "empty": 0, "trajectories": 0, "successes": 0}
+    out["mixed_outcomes"] = 0
     out["states"] = 0
     for tree in trees:
         group = controller.group(tree)
         out["tasks"] += 1
         out["empty"] += not group
         out["informative"] += len({t.reward for t in group}) > 1
+        out["mixed_outcomes"] += len({tree.success(t.leaf) for t in group}) > 1
         out["trajectories"] += len(group)
         out["successes"] += sum(tree.success(t.leaf) for t in group)
         out["states"] += len({node_state_key(tree, n.id) for n in tree.nodes})
@@ -104,6 +109,9 @@ def metrics(c: dict[str, float]) -> dict[str, float]:
     steps, tasks = max(c["env_steps"], 1), max(c["tasks"], 1)
     return {
         "informative_share": c["informative"] / tasks,
+        # groups that hold both a success and a failure: the task's outcome signal alone (an
+        # invalid-action penalty makes rewards differ without any success)
+        "outcome_informative_share": c.get("mixed_outcomes", 0) / tasks,
         "informative_per_1k_steps": 1000 * c["informative"] / steps,
         "successes_per_1k_steps": 1000 * c["successes"] / steps,
         "success_rate": c["successes"] / max(c["trajectories"], 1),
@@ -246,7 +254,7 @@ def summarize(out: Path) -> dict[str, Any]:
                 "policy": [p for p, _ in lvs],
                 "temperature": [t for _, t in lvs],
                 "base_success": [base[lv] for lv in lvs],
-                **{m: [by_level[lv][m] for lv in lvs] for m in METRICS},
+                **{m: [by_level[lv].get(m) for lv in lvs] for m in METRICS},
             }
         summary["mechanism"][env_dir.name] = mech
         plot(env_dir.name, mech, out)
@@ -262,15 +270,24 @@ def plot(label: str, mech: dict[str, Any], out: Path) -> None:
     # deferred: pyplot after the backend is chosen
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, m in mech.items():
-        ax.plot(m["base_success"], m["informative_share"], marker="o", label=method)
-    ax.set_xlabel("base success rate (flat sampling)")
-    ax.set_ylabel("share of informative groups")
-    ax.set_title(f"{label}: equal env steps per task")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    panels = (
+        ("informative_share", "groups whose rewards differ"),
+        ("outcome_informative_share", "groups with a success and a failure"),
+    )
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for method, m in mech.items():
+            points = [
+                (b, v) for b, v in zip(m["base_success"], m[key], strict=True) if v is not None
+            ]
+            if points:  # levels measured before a metric existed have none
+                ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax.set_xlabel("base success rate (flat sampling)")
+        ax.set_title(f"{label}: {title}")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of groups (equal env steps per task)")
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / f"{label}_mechanism.png", dpi=120)
     plt.close(fig)

@@ -43,6 +43,15 @@ def tree(task: str, paths: list[list[tuple[str, float]]]) -> Tree:
     return t
 
 
+def test_a_penalty_alone_is_informative_but_not_an_outcome(bench):
+    """Rewards -0.1 (an invalid action's penalty) and 0, no success: the rewards differ, but
+    the group holds no success and failure to tell apart."""
+    d = tree("d", [[("A", -0.1)], [("A", 0.0)]])
+    counts = bench.counts(make_controller("grpo"), [d], RolloutStats(env_steps=2))
+    m = bench.metrics(counts)
+    assert m["informative_share"] == 1.0 and m["outcome_informative_share"] == 0.0
+
+
 def test_counts_and_rates_by_hand(bench):
     # task a: rewards 1 and 0 (informative, one success); states S, A, G, B -> 4
     # task b: rewards 0 and 0 (uninformative); states S, A -> 2
@@ -57,6 +66,7 @@ def test_counts_and_rates_by_hand(bench):
     assert counts["trajectories"] == 4 and counts["states"] == 4 + 2 + 2
     m = bench.metrics(counts)
     assert m["informative_share"] == pytest.approx(1 / 3)
+    assert m["outcome_informative_share"] == pytest.approx(1 / 3)  # task a: a success, a failure
     assert m["successes_per_1k_steps"] == pytest.approx(1000 * 1 / 8)
     assert m["informative_per_1k_steps"] == pytest.approx(1000 * 1 / 8)
     assert m["success_rate"] == pytest.approx(1 / 4)
