@@ -20,16 +20,13 @@ from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 from pydantic import Field
 
 from agentree import prompts
-from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.base import EnvConfig
 from agentree.envs.grid import (
-    MOVE_TOOL,
     ActionFormat,
-    example_moves,
+    GridGame,
     move_action,
     read_move,
-    tool_corpus,
 )
-from agentree.tools import ToolSpec
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 MOVES = ("Left", "Down", "Right", "Up")  # gymnasium's action order
@@ -128,12 +125,14 @@ def parse_action(text: str) -> int | None:
     return ACTIONS.get(blocks[-1].lower()) if blocks else None
 
 
-class FrozenLakeEnv(Env):
+class FrozenLakeEnv(GridGame):
     """Text FrozenLake; a snapshot is a small dict, so forking is free.
 
     Scripted play: the expert takes a shortest-path move (BFS, holes blocked), the walker a
     random move that stays on the map.
     """
+
+    invalid_prompt = "frozenlake/invalid.txt"
 
     Config = FrozenLakeConfig
     system_prompt = prompts.load("frozenlake/system.txt").strip()
@@ -255,21 +254,6 @@ class FrozenLakeEnv(Env):
                 cells.append("P" if (r, c) == (pr, pc) else {"H": "O", "G": "G"}.get(ch, "_"))
             rows.append(" ".join(cells))
         return "\n".join(rows)
-
-    def tools(self) -> list[ToolSpec]:
-        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
-
-    def example_actions(self) -> list[str]:
-        return example_moves(self.cfg.action_format)
-
-    def corpus(self, tasks: list[Task]) -> list[str]:
-        """Maps and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("frozenlake/invalid.txt"), *tool_corpus(self.cfg.action_format)]
-        for task in tasks:
-            texts.append(self.system_prompt or "")
-            texts.append(self.reset(seed=task.seed, options=task.options)[0])
-            texts.extend(self.example_actions()[:4])
-        return texts
 
     def _build(self, desc: list[str]) -> None:
         self._desc = desc

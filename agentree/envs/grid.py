@@ -12,7 +12,8 @@ import json
 from typing import Any, Literal
 
 from agentree import prompts
-from agentree.tools import ToolCall, as_tool_action, call_format
+from agentree.envs.base import Env, Task
+from agentree.tools import ToolCall, ToolSpec, as_tool_action, call_format
 
 ActionFormat = Literal["text", "tools"]
 DIRECTIONS = ("up", "down", "left", "right")
@@ -80,3 +81,27 @@ def tool_corpus(action_format: ActionFormat) -> list[str]:
         "Invalid action: bad arguments for move: direction: 'north' is not one of "
         "['up', 'down', 'left', 'right']. malformed tool call: unknown tool",
     ]
+
+
+class GridGame(Env):
+    """What the grid games share: their moves as ```Move``` text or a `move` call
+    (`cfg.action_format`), the example moves, and a tokenizer corpus in the proportions the
+    policy sees. A subclass names its invalid-action notice (`invalid_prompt`)."""
+
+    invalid_prompt: str = ""
+    """The prompts path of the env's invalid-action notice, e.g. `frozenlake/invalid.txt`."""
+
+    def tools(self) -> list[ToolSpec]:
+        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
+
+    def example_actions(self) -> list[str]:
+        return example_moves(self.cfg.action_format)
+
+    def corpus(self, tasks: list[Task]) -> list[str]:
+        """Boards and moves in the proportions the policy sees them (for tiny tokenizers)."""
+        texts = [prompts.load(self.invalid_prompt), *tool_corpus(self.cfg.action_format)]
+        for task in tasks:
+            texts.append(self.system_prompt or "")
+            texts.append(self.reset(seed=task.seed, options=task.options)[0])
+            texts.extend(self.example_actions()[:4])
+        return texts

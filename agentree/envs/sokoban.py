@@ -28,16 +28,13 @@ from typing import Any
 from pydantic import Field
 
 from agentree import prompts
-from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.base import EnvConfig
 from agentree.envs.grid import (
-    MOVE_TOOL,
     ActionFormat,
-    example_moves,
+    GridGame,
     move_action,
     read_move,
-    tool_corpus,
 )
-from agentree.tools import ToolSpec
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 WALK = ("Left", "Down", "Right", "Up")
@@ -255,12 +252,14 @@ def parse_action(text: str) -> str | None:
 
 
 # -- the env --------------------------------------------------------------------------------
-class SokobanEnv(Env):
+class SokobanEnv(GridGame):
     """Text Sokoban; a snapshot is a small dict, so forking is free.
 
     Scripted play: the expert takes the first move of a shortest solution (`solve_moves`), the
     walker any of the four moves at random (one into a wall leaves the room as it was).
     """
+
+    invalid_prompt = "sokoban/invalid.txt"
 
     Config = SokobanConfig
     system_prompt = prompts.load("sokoban/system.txt").strip()
@@ -389,21 +388,6 @@ class SokobanEnv(Env):
                 cells.append(ch)
             rows.append(" ".join(cells))
         return "\n".join(rows)
-
-    def tools(self) -> list[ToolSpec]:
-        return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
-
-    def example_actions(self) -> list[str]:
-        return example_moves(self.cfg.action_format)
-
-    def corpus(self, tasks: list[Task]) -> list[str]:
-        """Rooms and moves in the proportions the policy sees them (for tiny tokenizers)."""
-        texts = [prompts.load("sokoban/invalid.txt"), *tool_corpus(self.cfg.action_format)]
-        for task in tasks:
-            texts.append(self.system_prompt or "")
-            texts.append(self.reset(seed=task.seed, options=task.options)[0])
-            texts.extend(self.example_actions()[:4])
-        return texts
 
     def _info(self, *, valid: bool) -> dict[str, Any]:
         return {
