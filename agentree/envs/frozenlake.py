@@ -181,12 +181,7 @@ class FrozenLakeEnv(GridGame):
         else:
             move, error = parse_action(action), None
         if move is None:
-            reward, terminated = -self.cfg.invalid_penalty, False
-            if error is None:
-                obs = prompts.render("frozenlake/invalid.txt", grid=self.render_grid())
-            else:
-                obs = prompts.render("tools/invalid_move.txt", error=error, grid=self.render_grid())
-            key = "invalid:" + " ".join(action.split())[:64]
+            (reward, obs, key), terminated = self.invalid_turn(action, error), False
         else:
             _, r, terminated, _, _ = self._lake.step(move)
             reward, obs = float(r), self.render_grid()

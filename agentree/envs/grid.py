@@ -105,3 +105,13 @@ class GridGame(Env):
             texts.append(self.reset(seed=task.seed, options=task.options)[0])
             texts.extend(self.example_actions()[:4])
         return texts
+
+    def invalid_turn(self, action: str, error: str | None) -> tuple[float, str, str]:
+        """(reward, observation, action key) of a turn that is not one well-formed move: the
+        board unchanged, the invalid-action penalty, the env's notice (or the call's error)."""
+        grid = self.render_grid()
+        if error is None:
+            obs = prompts.render(self.invalid_prompt, grid=grid)
+        else:
+            obs = prompts.render("tools/invalid_move.txt", error=error, grid=grid)
+        return -self.cfg.invalid_penalty, obs, "invalid:" + " ".join(action.split())[:64]

@@ -302,12 +302,7 @@ class SokobanEnv(GridGame):
         else:
             move, error = parse_action(action), None
         if move is None:
-            reward, terminated = -self.cfg.invalid_penalty, False
-            if error is None:
-                obs = prompts.render("sokoban/invalid.txt", grid=self.render_grid())
-            else:
-                obs = prompts.render("tools/invalid_move.txt", error=error, grid=self.render_grid())
-            key = "invalid:" + " ".join(action.split())[:64]
+            (reward, obs, key), terminated = self.invalid_turn(action, error), False
         else:
             walls, _targets, boxes, player = _parts(self._room)
             for name, (p, bx) in _successors(walls, player, boxes):
