@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -114,7 +115,6 @@ def episodes(args: argparse.Namespace) -> None:
 def stages(args: argparse.Namespace, trees: list[Path]) -> None:
     """Where the episodes break: the share that reached each of the expert's steps
     (`expert.episode_stages`), over every sampled episode (a root-to-leaf path)."""
-    from agentree.envs.swe.env import parse_commands
     from agentree.swe.expert import STAGES, episode_stages
     from agentree.tree import Tree
 
@@ -127,7 +127,7 @@ def stages(args: argparse.Namespace, trees: list[Path]) -> None:
     for f in trees:
         tree = Tree.load(f)
         for leaf in tree.leaves():
-            commands = [c for n in tree.path(leaf.id) for c in parse_commands(n.action or "")]
+            commands = [c for n in tree.path(leaf.id) for c in node_commands(n)]
             got = episode_stages(records[tree.task_id], commands)
             reached.update(k for k, v in got.items() if v)
             episodes += 1
@@ -135,6 +135,24 @@ def stages(args: argparse.Namespace, trees: list[Path]) -> None:
         f"episodes reaching the expert's steps (of {episodes}): "
         + ", ".join(f"{k} {reached[k]}" for k in STAGES)
     )
+
+
+def node_commands(node: Any) -> list[str]:
+    """The shell commands of one turn, for `episode_stages`: its bash blocks (text mode), or its
+    `execute_bash` commands and a `submit` as the submission's echo (tool mode, read from the
+    calls the rollout recorded)."""
+    from agentree.envs.swe.env import SENTINEL, parse_commands
+
+    calls = node.info.get("tool_calls")
+    if calls is None:
+        return parse_commands(node.action or "")
+    commands = []
+    for call in calls:
+        if call["name"] == "execute_bash":
+            commands.append(str((call.get("arguments") or {}).get("command", "")))
+        elif call["name"] == "submit":
+            commands.append(f"echo {SENTINEL}")
+    return commands
 
 
 def evaluate_chunk(args: argparse.Namespace, lines: list[str], where: Path) -> None:

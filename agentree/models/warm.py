@@ -44,6 +44,7 @@ from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.models.sft import SFTConfig, run_sft
+from agentree.rollout.turn.turns import scripted_episode
 from agentree.tools import ToolCall, as_tool_action, tool_schemas
 
 
@@ -107,14 +108,14 @@ def expert_steps(
 ) -> tuple[tuple[str, dict[str, Any]], list[tuple[str, str, float, bool, bool, dict[str, Any]]]]:
     """One episode of the noisy expert (`scripted_action`) on `env`: the first observation and
     info, then (action, observation, reward, terminated, truncated, info) for every step."""
-    obs, info = env.reset(seed=task.seed, options=task.options)
-    first, steps, done = (obs, info), [], False
-    while not done:
-        action = scripted_action(env, expert_prob, rng)
-        obs, reward, terminated, truncated, info = env.step(action)
-        steps.append((action, obs, float(reward), terminated, truncated, info))
-        done = terminated or truncated
-    return first, steps
+    tree = scripted_episode(
+        env, task, lambda _task, _history: scripted_action(env, expert_prob, rng)
+    )
+    root, *path = tree.nodes
+    steps = [
+        (n.action, n.observation, n.reward, n.terminated, n.truncated, n.info["env"]) for n in path
+    ]
+    return (root.observation, root.info["env"]), steps
 
 
 def expert_episode(

@@ -25,6 +25,7 @@ from typing import Any
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
+from agentree.rollout.turn.turns import scripted_episode
 from agentree.run.outputs import claim, mark
 from agentree.run.runtime import Runtime
 from agentree.tools import tool_schemas
@@ -134,28 +135,7 @@ def run_scripted(
         env = cls(**env_kwargs)
         t0 = time.perf_counter()
         try:
-            obs, info = env.reset(seed=task.seed, options=task.options)
-            tree.add_root(obs, [], {"env": info})
-            node, history = 0, []
-            while True:
-                if stop.is_set():
-                    raise KeyboardInterrupt
-                action = policy(task, history)
-                obs, reward, term, trunc, info = env.step(action)
-                history.append((action, obs))
-                n = tree.add_child(
-                    node,
-                    action=action,
-                    observation=obs,
-                    reward=float(reward),
-                    terminated=term,
-                    truncated=trunc,
-                    info={"env": info},
-                )
-                node = n.id
-                if term or trunc:
-                    n.end_reason = EndReason.COMPLETED if term else EndReason.MAX_TURNS
-                    break
+            scripted_episode(env, task, policy, tree=tree, stop=stop)
         except Exception as e:  # the task fails; the evaluation goes on (Ctrl-C propagates)
             if not tree.nodes:
                 tree.add_root("", [], {})

@@ -14,6 +14,7 @@ branches to step, the first ones (in the order given) step and the others end wi
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentree.engines.base import Completion
-from agentree.envs.base import Env, Task, reset_task
+from agentree.envs.base import Env, ScriptedPolicy, Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats
 from agentree.scorers.base import Score
 from agentree.tools import ToolAction, tool_schemas
@@ -404,3 +405,46 @@ class TurnRunner:
                 self.stats.extra[key] = self.stats.extra.get(key, 0.0) + 1
             values.append(v)
         return values
+
+
+def scripted_episode(
+    env: Env,
+    task: Task,
+    policy: ScriptedPolicy,
+    *,
+    tree: Tree | None = None,
+    stop: threading.Event | None = None,
+) -> Tree:
+    """One episode of a scripted policy (an env's expert, walker or sanity policy: no engine,
+    one action a turn) on `env` from `task`, recorded as a one-path tree in the same shape as a
+    sampled one: the reset's observation at the root, a child per step with its action, reward
+    and `info["env"]`, and the leaf's end reason. The one loop behind scripted evaluation,
+    warm-start demonstrations, the walker reference and the PRM's labelled episodes.
+
+    `tree` is filled in place when given, so a caller that records failures keeps the steps
+    taken before an error; `stop` set ends the episode with `KeyboardInterrupt` before its next
+    step. Errors propagate.
+    """
+    tree = Tree(task.id, task.to_dict()) if tree is None else tree
+    obs, info = reset_task(env, task)
+    tree.add_root(obs, [], {"env": info})
+    node, history = 0, []
+    while True:
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
+        action = policy(task, history)
+        obs, reward, terminated, truncated, info = env.step(action)
+        history.append((action, obs))
+        child = tree.add_child(
+            node,
+            action=action,
+            observation=obs,
+            reward=float(reward),
+            terminated=terminated,
+            truncated=truncated,
+            info={"env": info},
+        )
+        node = child.id
+        if terminated or truncated:
+            child.end_reason = EndReason.COMPLETED if terminated else EndReason.MAX_TURNS
+            return tree
