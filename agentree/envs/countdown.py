@@ -31,7 +31,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from agentree.envs.base import Env, EnvConfig, Task, register_env
+from agentree.envs.base import EnvConfig, Task, register_env
+from agentree.envs.single import SingleStepEnv
 from agentree.prompts import render
 
 MAX_ANSWER_CHARS = 500
@@ -246,7 +247,7 @@ class CountdownConfig(EnvConfig):
 
 
 @register_env("countdown")
-class CountdownEnv(Env):
+class CountdownEnv(SingleStepEnv):
     """Single-step Countdown. Task options: {"target": int, "nums": [int, ...]}.
 
     `reset(seed=s)` without options generates a solvable task from `s`; `reset(options=...)`
@@ -258,41 +259,40 @@ class CountdownEnv(Env):
     # the reward levels change neither the expert's answers nor the prompts
     expert_settings = ("min_numbers", "max_numbers", "min_number", "max_number", "max_target")
 
+    episode_name = "Countdown"
+
     def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
         self.config = CountdownConfig(**kwargs)
         self.system_prompt = render("countdown/system.txt").strip()
-        self._task: dict[str, Any] | None = None
-        self._done = False
 
-    # -- gymnasium API ------------------------------------------------------------------------
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        super().reset(seed=seed)
-        if options:
-            self._task = task_options(options)
-        else:
-            c = self.config
-            rng = random.Random(seed if seed is not None else int(self.np_random.integers(2**62)))
-            self._task = generate_task(
-                rng,
-                min_numbers=c.min_numbers,
-                max_numbers=c.max_numbers,
-                min_number=c.min_number,
-                max_number=c.max_number,
-                max_target=c.max_target,
-            )
-        self._done = False
-        return self._observation(), {
-            "target": self._task["target"],
-            "nums": list(self._task["nums"]),
-        }
+    # -- the single step ----------------------------------------------------------------------
+    @staticmethod
+    def parse_task(options: dict[str, Any]) -> dict[str, Any]:
+        return task_options(options)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._task is None:
-            raise RuntimeError("CountdownEnv.step() called before reset()")
-        if self._done:
-            raise RuntimeError("the Countdown episode is over (one step); call reset()")
+    def generate(self, rng: random.Random) -> dict[str, Any]:
+        c = self.config
+        return generate_task(
+            rng,
+            min_numbers=c.min_numbers,
+            max_numbers=c.max_numbers,
+            min_number=c.min_number,
+            max_number=c.max_number,
+            max_target=c.max_target,
+        )
+
+    def observation(self) -> str:
+        assert self._task is not None
+        nums = "[" + ", ".join(str(n) for n in self._task["nums"]) + "]"
+        return render("countdown/instance.txt", numbers=nums, target=self._task["target"]).strip()
+
+    def reset_info(self) -> dict[str, Any]:
+        assert self._task is not None
+        return {"target": self._task["target"], "nums": list(self._task["nums"])}
+
+    def grade(self, action: str) -> tuple[float, dict[str, Any]]:
+        assert self._task is not None
         answer = extract_answer(action)
         reason, detail, value = check_answer(answer, self._task["nums"], self._task["target"])
         if reason == "correct":
@@ -301,8 +301,7 @@ class CountdownEnv(Env):
             reward = 0.0
         else:
             reward = self.config.format_score
-        self._done = True
-        info = {
+        return reward, {
             "success": reason == "correct",
             "answer": answer,
             "value": None if value is None else str(value),
@@ -311,18 +310,10 @@ class CountdownEnv(Env):
             "action_key": "".join(answer.split()) if answer is not None else "",
             "format_error": answer is None,
         }
-        return "", float(reward), True, False, info
 
-    # -- forking ----------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        if self._task is None:
-            raise RuntimeError("CountdownEnv.snapshot() called before reset()")
-        task = {**self._task, "nums": tuple(self._task["nums"])}
-        return {"task": task, "done": self._done}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._task = task_options(state["task"])
-        self._done = bool(state["done"])
+    def task_state(self) -> dict[str, Any]:
+        assert self._task is not None
+        return {**self._task, "nums": tuple(self._task["nums"])}
 
     # -- tasks --------------------------------------------------------------------------------
     @classmethod
@@ -380,11 +371,6 @@ class CountdownEnv(Env):
         if solution is not None:
             actions.insert(0, f"<think>Try {solution}.</think>\n<answer>{solution}</answer>")
         return actions
-
-    def _observation(self) -> str:
-        assert self._task is not None
-        nums = "[" + ", ".join(str(n) for n in self._task["nums"]) + "]"
-        return render("countdown/instance.txt", numbers=nums, target=self._task["target"]).strip()
 
 
 def task_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from agentree.envs.base import Env, EnvConfig, Task, records_to_tasks, register_env
+from agentree.envs.base import EnvConfig, Task, records_to_tasks, register_env
+from agentree.envs.single import SingleStepEnv
 from agentree.prompts import render
 
 # -- answer extraction ---------------------------------------------------------------------------
@@ -383,7 +384,7 @@ class MathConfig(EnvConfig):
 
 
 @register_env("math")
-class MathEnv(Env):
+class MathEnv(SingleStepEnv):
     """Single-step math. Task options: {"question": str, "answer": str}.
 
     `reset(seed=s)` without options generates a word problem from `s`; `reset(options=...)`
@@ -392,32 +393,31 @@ class MathEnv(Env):
 
     Config = MathConfig
 
+    episode_name = "math"
+
     def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
         self.config = MathConfig(**kwargs)
         if self.config.verifier != "string":
             load_math_verify(required=self.config.verifier == "math_verify")
-        self._task: dict[str, str] | None = None
-        self._done = False
 
-    # -- gymnasium API ------------------------------------------------------------------------
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        super().reset(seed=seed)
-        if options:
-            self._task = task_options(options)
-        else:
-            rng = random.Random(seed if seed is not None else int(self.np_random.integers(2**62)))
-            self._task = generate_problem(rng, self.config.kinds)
-        self._done = False
-        question = self._task["question"]
-        return render("math/instance.txt", question=question).strip(), {"kind": self._kind()}
+    # -- the single step ----------------------------------------------------------------------
+    @staticmethod
+    def parse_task(options: dict[str, Any]) -> dict[str, Any]:
+        return task_options(options)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._task is None:
-            raise RuntimeError("MathEnv.step() called before reset()")
-        if self._done:
-            raise RuntimeError("the math episode is over (one step); call reset()")
+    def generate(self, rng: random.Random) -> dict[str, Any]:
+        return generate_problem(rng, self.config.kinds)
+
+    def observation(self) -> str:
+        assert self._task is not None
+        return render("math/instance.txt", question=self._task["question"]).strip()
+
+    def reset_info(self) -> dict[str, Any]:
+        return {"kind": self._kind()}
+
+    def grade(self, action: str) -> tuple[float, dict[str, Any]]:
+        assert self._task is not None
         reference = self._task["answer"]
         answer = extract_boxed(action)
         checked_by = None
@@ -432,8 +432,7 @@ class MathEnv(Env):
                 answer, reference, verifier=self.config.verifier, timeout_s=self.config.timeout_s
             )
             reason = "correct" if success else "wrong"
-        self._done = True
-        info = {
+        return 1.0 if success else 0.0, {
             "success": success,
             "answer": answer,
             "reference": reference,
@@ -442,17 +441,6 @@ class MathEnv(Env):
             "action_key": answer if answer is not None else "",
             "format_error": reason in ("no_boxed", "unclosed_boxed"),
         }
-        return "", 1.0 if success else 0.0, True, False, info
-
-    # -- forking ----------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        if self._task is None:
-            raise RuntimeError("MathEnv.snapshot() called before reset()")
-        return {"task": dict(self._task), "done": self._done}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self._task = task_options(state["task"])
-        self._done = bool(state["done"])
 
     # -- tasks --------------------------------------------------------------------------------
     @classmethod
