@@ -365,6 +365,44 @@ def test_a_template_that_rewrites_history_still_trains_on_the_sampled_ids(smol_t
 T_MOVE = __import__("agentree.envs.grid", fromlist=["MOVE_TOOL"]).MOVE_TOOL
 
 
+@pytest.mark.parametrize("controller", ["treepo", "eptree"])
+def test_token_controllers_render_the_tools_and_hand_the_env_parsed_calls(
+    smol_tokenizer, controller
+):
+    call = call_format("hermes").format([ToolCall("move", {"direction": "right"})])
+    for answer, ok in ((call, True), ("<tool_call>{move: right}</tool_call>", False)):
+        chat = ChatFormat(smol_tokenizer, "hermes")
+        ctx = RolloutContext(
+            engine=ScriptedEngine(smol_tokenizer, lambda text, i, a=answer: a),
+            chat=chat,
+            sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
+            env_factory=lambda: make_env("frozenlake", action_format="tools", max_turns=8),
+            scorer=make_scorer("none"),
+            rng=random.Random(0),
+        )
+        (tree,), stats = make_controller(controller).rollout([T_TASK], ctx)
+        # the prompt carries the tools as a turn's does
+        assert smol_tokenizer.decode(tree.nodes[0].obs_ids) == smol_tokenizer.decode(
+            chat.prompt_ids(
+                tree.nodes[0].observation, ctx.env_factory().system_prompt, tool_schemas([T_MOVE])
+            )
+        )
+        assert '"name": "move"' in smol_tokenizer.decode(tree.nodes[0].obs_ids)
+        stepped = [n for n in tree.leaves() if n.info.get("env")]
+        assert stepped and stats.extra["tool_calls"] == (len(stepped) if ok else 0)
+        for leaf in stepped:
+            if ok:  # the env got the call parsed in the policy's format and moved
+                assert leaf.info["tool_calls"] == [
+                    {"name": "move", "arguments": {"direction": "right"}}
+                ]
+                assert leaf.info["env"]["action_key"] == "right"
+                assert not leaf.info["env"]["format_error"]
+            else:  # a malformed call: the env's invalid-action turn, counted
+                assert leaf.info["tool_error"].startswith("malformed tool call")
+                assert leaf.info["env"]["format_error"]
+        assert stats.extra.get("tool_call_errors", 0) == (0 if ok else len(stepped))
+
+
 def test_judges_and_prms_read_calls_as_name_and_arguments():
     from agentree.scorers.trajectory import view_step
     from agentree.tools import readable_action

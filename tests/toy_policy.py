@@ -34,8 +34,11 @@ class ToyChat:
     tokenizer = ToyTokenizer()
     stop_token_ids = (EOS,)
 
-    def prompt_ids(self, observation: str, system: str | None = None) -> list[int]:
+    def prompt_ids(self, observation: str, system: str | None = None, tools=None) -> list[int]:
         return list(PROMPT)
+
+    def parse_action(self, text: str, tools) -> str:
+        return text  # the toy envs declare no tools
 
     def decode_action(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids if i != EOS)

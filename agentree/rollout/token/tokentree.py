@@ -22,6 +22,7 @@ from typing import Any
 
 from agentree.envs.base import Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats
+from agentree.tools import ToolAction, tool_schemas
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
 
@@ -43,7 +44,7 @@ def start_trees(tasks: Sequence[Task], ctx: RolloutContext) -> list[Root]:
     try:
         for task in tasks:
             obs, info = reset_task(env, task)
-            prompt = ctx.chat.prompt_ids(obs, env.system_prompt)
+            prompt = ctx.chat.prompt_ids(obs, env.system_prompt, tool_schemas(env.tools()))
             tree = Tree(task.id, task.to_dict())
             tree.add_root(obs, prompt, {"env": info})
             max_new = min(ctx.sampling.max_tokens, ctx.max_context - len(prompt))
@@ -159,21 +160,35 @@ def step_leaves(
     """
     env = ctx.env_factory()
     try:
+        tools = tool_schemas(env.tools())
         for r in roots:
             for node in r.tree.leaves():
                 stepped = node.end_reason is None or (prune_too and node.end_reason in PRUNED)
                 if not stepped or node.info.get("env") is not None:
                     continue
                 text = ctx.chat.decode_action(response_ids(r.tree, node.id))
+                # an env with tools gets the calls parsed in the policy's format, as a turn does
+                action = ctx.chat.parse_action(text, tools)
+                if isinstance(action, ToolAction):
+                    node.info["tool_calls"] = [
+                        {"name": c.name, "arguments": c.arguments} for c in action.calls
+                    ]
+                    if action.error:
+                        node.info["tool_error"] = action.error
                 try:
                     env.reset(seed=r.task.seed, options=r.task.options)
-                    obs, reward, terminated, truncated, info = env.step(text)
+                    obs, reward, terminated, truncated, info = env.step(action)
                 except Exception as e:  # the leaf ends; the rollout goes on
                     stats.env_errors += 1
                     node.info["error"] = repr(e)
                     node.end_reason = EndReason.ENV_ERROR
                     continue
                 stats.env_steps += 1
+                if isinstance(action, ToolAction):  # counted as the turn runner counts them
+                    extra = stats.extra
+                    extra["tool_calls"] = extra.get("tool_calls", 0.0) + len(action.calls)
+                    if action.error or info.get("format_error"):
+                        extra["tool_call_errors"] = extra.get("tool_call_errors", 0.0) + 1
                 node.observation = obs
                 node.reward = float(reward)
                 node.terminated, node.truncated = bool(terminated), bool(truncated)
