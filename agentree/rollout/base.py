@@ -21,6 +21,7 @@ from agentree.engines.base import Engine, SamplingParams
 from agentree.envs.base import Env, Task, format_validation_error
 from agentree.registry import Registry
 from agentree.scorers.base import NoScorer, Scorer
+from agentree.tools import ToolAction
 from agentree.tree import Trajectory, Tree
 
 
@@ -43,6 +44,19 @@ class TurnConfig(ControllerConfig):
     controller's own sizes)."""
 
 
+def call_info(action: Any) -> dict[str, Any]:
+    """What a node records of a parsed action: its calls (`tool_calls`) and why it has none
+    (`tool_error`); nothing for a free-text action."""
+    if not isinstance(action, ToolAction):
+        return {}
+    info: dict[str, Any] = {
+        "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in action.calls]
+    }
+    if action.error:
+        info["tool_error"] = action.error
+    return info
+
+
 @dataclass
 class RolloutStats:
     """Counters for one rollout call (summed over its trees); keys of rollout_stats.json."""
@@ -62,6 +76,15 @@ class RolloutStats:
     env_errors: int = 0
     wall_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+
+    def count_calls(self, action: Any, info: dict[str, Any]) -> None:
+        """Count a stepped action's tool calls, and a malformed or env-refused one as an error
+        (no-op for a free-text action)."""
+        if not isinstance(action, ToolAction):
+            return
+        self.extra["tool_calls"] = self.extra.get("tool_calls", 0.0) + len(action.calls)
+        if action.error or info.get("format_error"):
+            self.extra["tool_call_errors"] = self.extra.get("tool_call_errors", 0.0) + 1
 
     def add(self, other: RolloutStats) -> None:
         for k, v in asdict(other).items():

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentree.envs.base import Task, reset_task
-from agentree.rollout.base import RolloutContext, RolloutStats
-from agentree.tools import ToolAction, tool_schemas
+from agentree.rollout.base import RolloutContext, RolloutStats, call_info
+from agentree.tools import tool_schemas
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
 
@@ -169,12 +169,7 @@ def step_leaves(
                 text = ctx.chat.decode_action(response_ids(r.tree, node.id))
                 # an env with tools gets the calls parsed in the policy's format, as a turn does
                 action = ctx.chat.parse_action(text, tools)
-                if isinstance(action, ToolAction):
-                    node.info["tool_calls"] = [
-                        {"name": c.name, "arguments": c.arguments} for c in action.calls
-                    ]
-                    if action.error:
-                        node.info["tool_error"] = action.error
+                node.info.update(call_info(action))
                 try:
                     env.reset(seed=r.task.seed, options=r.task.options)
                     obs, reward, terminated, truncated, info = env.step(action)
@@ -184,11 +179,7 @@ def step_leaves(
                     node.end_reason = EndReason.ENV_ERROR
                     continue
                 stats.env_steps += 1
-                if isinstance(action, ToolAction):  # counted as the turn runner counts them
-                    extra = stats.extra
-                    extra["tool_calls"] = extra.get("tool_calls", 0.0) + len(action.calls)
-                    if action.error or info.get("format_error"):
-                        extra["tool_call_errors"] = extra.get("tool_call_errors", 0.0) + 1
+                stats.count_calls(action, info)
                 node.observation = obs
                 node.reward = float(reward)
                 node.terminated, node.truncated = bool(terminated), bool(truncated)

@@ -23,7 +23,7 @@ from typing import Any
 
 from agentree.engines.base import Completion
 from agentree.envs.base import Env, ScriptedPolicy, Task, reset_task
-from agentree.rollout.base import RolloutContext, RolloutStats
+from agentree.rollout.base import RolloutContext, RolloutStats, call_info
 from agentree.scorers.base import Score
 from agentree.tools import ToolAction, tool_schemas
 from agentree.tree import EndReason, Tree
@@ -306,12 +306,7 @@ class TurnRunner:
             results = self._tool_results(action, obs, info)
             obs_ids = [] if finished else chat.observation_ids(obs, comp.token_ids, results)
             extra = {"env": info, "step_s": round(dt, 4), "finish": comp.finish_reason}
-            if isinstance(action, ToolAction):
-                extra["tool_calls"] = [
-                    {"name": c.name, "arguments": c.arguments} for c in action.calls
-                ]
-                if action.error:
-                    extra["tool_error"] = action.error
+            extra.update(call_info(action))
             extra.update(_key_info(key))
             if comp.entropies is not None:
                 extra["entropy"] = comp.entropies
@@ -347,10 +342,7 @@ class TurnRunner:
         """The tool messages answering `action`'s calls (None: a user turn), counted."""
         if not isinstance(action, ToolAction):
             return None
-        extra = self.stats.extra
-        extra["tool_calls"] = extra.get("tool_calls", 0.0) + len(action.calls)
-        if action.error or info.get("format_error"):  # malformed, or refused by the env
-            extra["tool_call_errors"] = extra.get("tool_call_errors", 0.0) + 1
+        self.stats.count_calls(action, info)
         if not action.calls:  # nothing was called: the notice comes back as a user turn
             return None
         results = info.get("tool_results")
