@@ -17,10 +17,11 @@ both; an env that cannot fork meets a forking controller here, before any model 
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,8 +85,11 @@ class RolloutParts:
     scorer: Scorer = field(default_factory=NoScorer)
     env_stop: tuple[str, ...] = ()
 
-    def make_env(self) -> Env:
-        return self.env_cls(**self.env_kwargs)
+    @property
+    def make_env(self) -> Callable[[], Env]:
+        """A new env of the config: the env class with its arguments bound (a controller calls
+        it straight into the env layer, not back up through this module)."""
+        return functools.partial(self.env_cls, **self.env_kwargs)
 
 
 def rollout_parts(
@@ -132,6 +136,7 @@ class LocalRollouts:
         self.chat = ChatFormat(tokenizer, cfg.policy.tool_format)
         self.rng = random.Random(cfg.seed)
         self.make_env = parts.make_env
+        self.history = cfg.engine.history_window
         self._snapshot: Any = None
 
     def sampling(self, temperature: float | None = None) -> SamplingParams:
@@ -155,7 +160,7 @@ class LocalRollouts:
             env_factory=self.make_env,
             scorer=self.scorer,
             max_context=min(self.cfg.engine.max_context, self.engine.max_model_len),
-            history=self.cfg.engine.history_window,
+            history=self.history,
             rng=self.rng,
             env_workers=self.cfg.engine.env_workers,
             progress=progress,

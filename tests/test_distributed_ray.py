@@ -564,7 +564,7 @@ def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake)
 def test_stale_update_uses_sampling_logprobs_as_pi_old(tiny_frozenlake):
     """rho = exp(log pi_theta - log pi_sample): with stored sampling log-probs of 0, the mean
     ratio is the mean of pi_theta over the policy tokens; on-policy it is exactly 1."""
-    from agentree.algorithms.batching import padded_micro_batches, token_logprobs
+    from agentree.algorithms.packing import padded_micro_batches, token_logprobs
     from agentree.hub.load import load_policy
 
     model, _tok = load_policy(tiny_frozenlake, dtype="float32", device="cpu")

@@ -136,7 +136,7 @@ def test_cpu_gqa_attention_equals_transformers_sdpa(monkeypatch):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from agentree.hub import load as hf
+    from agentree.algorithms import attention as hf
 
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -167,10 +167,10 @@ def test_cpu_gqa_attention_equals_transformers_sdpa(monkeypatch):
     try:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
         want, want_grads = run()
-        AttentionInterface.register("sdpa", hf._cpu_gqa_sdpa)
+        AttentionInterface.register("sdpa", hf.cpu_gqa_sdpa)
         got, got_grads = run()
     finally:
-        AttentionInterface.register("sdpa", hf._cpu_gqa_sdpa)
+        AttentionInterface.register("sdpa", hf.cpu_gqa_sdpa)
     # per layer: transformers' run copied the KV heads, this one shared them
     assert shared == [False, False, True, True]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

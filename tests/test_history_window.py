@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.batching import turn_samples
+from agentree.algorithms.packing import turn_samples
 from agentree.chat import ChatFormat
 from agentree.config import EngineConfig, TrainConfig, load_config
 from agentree.engines.base import SamplingParams

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentree.algorithms.batching import make_batch
-from agentree.algorithms.packing import batch_logprobs, pack
+from agentree.algorithms.packing import batch_logprobs, make_batch, pack
 from agentree.tree import EndReason, Tree
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # fp32; slices and the full matrix differ in summation order

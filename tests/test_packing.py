@@ -13,14 +13,15 @@ import torch
 from small_policy import WARM_2_LAYERS
 
 from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.batching import make_batch, padded_micro_batches
 from agentree.algorithms.loss import loss_normalizer, policy_loss
 from agentree.algorithms.packing import (
     batch_logprobs,
     choose_layout,
+    make_batch,
     pack,
     packed_micro_batches,
     packed_token_logprobs,
+    padded_micro_batches,
     token_weights,
     unpack,
 )
@@ -300,7 +301,7 @@ def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):
 def test_packed_logprobs_with_each_attention_implementation(impl, tiny_frozenlake):
     from transformers import AutoModelForCausalLM
 
-    from agentree.algorithms.batching import token_logprobs
+    from agentree.algorithms.packing import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(
         tiny_frozenlake, dtype=torch.float32, attn_implementation=impl

@@ -13,7 +13,7 @@ import pytest
 from helpers import ScriptedEngine
 
 from agentree import tools as T
-from agentree.algorithms.batching import make_batch
+from agentree.algorithms.packing import make_batch
 from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
 from agentree.envs import check_env, make_env

@@ -3,8 +3,9 @@
 `group_normalized` returns one scalar per trajectory. The tree estimators return, for each
 trajectory, a list aligned with `Trajectory.token_ids` that is 0.0 wherever `loss_mask` is 0;
 the turn-level ones (GiGPO, RTMC) give each turn's policy tokens that turn's advantage.
-`compute_advantages` is the one entry point a trainer needs: it returns per-token lists for
-every trajectory of every tree, broadcasting scalar advantages onto policy tokens.
+`advantage_estimator` (resolved once, as the update does) and `compute_advantages` (in one
+call, as the viewer does) are the entry points: per-token lists for every trajectory of every
+tree, scalar advantages broadcast onto policy tokens.
 
 The group of a tree is the list of trajectories passed in (e.g. `tree.trajectories()`, PATR's
 "keep all", or only unpruned ones); subtree statistics are computed over that group only.
@@ -638,23 +639,41 @@ def estimator_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("; ".join(errors)) from None
 
 
+AdvantageFn = Callable[[Sequence[Tree], Sequence[Sequence[Trajectory]]], list[list[list[float]]]]
+"""`(trees, trajectories_by_tree) -> out[k][i][t]`: an estimator with its options bound."""
+
+
+def advantage_estimator(name: str, options: dict[str, Any]) -> AdvantageFn:
+    """Estimator `name` with its `options` (the fields of its `ADVANTAGE_OPTIONS` model)
+    validated and bound once; a bad name or option raises a one-sentence ValueError.
+
+    `name` is one of `grpo` (group-normalised outcome over each tree's group, PATR Eq. 9),
+    `treepo`, `treerl`, `gigpo`, `rtmc`, `treegrpo` or a user's `module:function`. The returned
+    function gives per-token advantages `out[k][i][t]` for token t of trajectory i of tree k;
+    gigpo and rtmc give each turn its own advantage. The update resolves it once and the viewer
+    through `compute_advantages`, so both apply the same options."""
+    kw = estimator_options(name, options)
+    fn = ESTIMATORS_BY_NAME.get(name)
+
+    def estimate(
+        trees: Sequence[Tree], trajectories_by_tree: Sequence[Sequence[Trajectory]]
+    ) -> list[list[list[float]]]:
+        if len(trees) != len(trajectories_by_tree):
+            raise ValueError(
+                f"got {len(trees)} trees but {len(trajectories_by_tree)} trajectory groups; "
+                "pass one group per tree, in the same order"
+            )
+        return fn(trees, trajectories_by_tree, **kw)
+
+    return estimate
+
+
 def compute_advantages(
     name: str,
     trees: Sequence[Tree],
     trajectories_by_tree: Sequence[Sequence[Trajectory]],
     **kw: Any,
 ) -> list[list[list[float]]]:
-    """Per-token advantages `out[k][i][t]` for token t of trajectory i of tree k.
-
-    `name` is one of `grpo` (group-normalised outcome over each tree's group, PATR Eq. 9),
-    `treepo`, `treerl`, `gigpo`, `rtmc` or `treegrpo`; `kw` are that estimator's options,
-    the fields of its `ADVANTAGE_OPTIONS` model. gigpo and rtmc give each turn its own
-    advantage.
-    """
-    kw = estimator_options(name, kw)
-    if len(trees) != len(trajectories_by_tree):
-        raise ValueError(
-            f"got {len(trees)} trees but {len(trajectories_by_tree)} trajectory groups; "
-            "pass one group per tree, in the same order"
-        )
-    return ESTIMATORS_BY_NAME.get(name)(trees, trajectories_by_tree, **kw)
+    """Per-token advantages `out[k][i][t]` for token t of trajectory i of tree k, from
+    estimator `name` with options `kw` (`advantage_estimator` in one call)."""
+    return advantage_estimator(name, kw)(trees, trajectories_by_tree)

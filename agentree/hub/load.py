@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from agentree.algorithms.attention import cpu_gqa_sdpa
 from agentree.hub.pretrained import local_policy
 
 
@@ -39,51 +39,13 @@ def check_policy_path(path: str | Path) -> None:
         )
 
 
-def _cpu_gqa_sdpa(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa` attention, except that grouped-query attention on the CPU with a
-    mask (every padded batch and tree-packed row) lets torch's kernel share each KV head
-    (`enable_gqa`) instead of first copying it once per query head: transformers does that
-    copy off CUDA, and at a few thousand cached tokens the copies cost more than the
-    attention itself (benchmarks/real_model.py `long_context`). Same result to the bit; every
-    other case goes to transformers' own function."""
-    # deferred: transformers takes seconds to import; agentree.hub is imported by configs
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (
-        getattr(module, "num_key_value_groups", 1) > 1
-        and query.device.type == "cpu"
-        and attention_mask is not None
-        and kwargs.get("position_bias") is None
-        and kwargs.get("cache") is None
-        and not kwargs.get("output_attentions", False)
-    ):
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=True,
-        )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-    )
-
-
 def load_policy(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer the ordinary way (`from_pretrained`); a named
     pretrained checkpoint (`smollm2-135m`) or a GGUF file is fetched or converted first."""
     # deferred: transformers takes seconds to import; agentree.hub is imported by configs
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-    AttentionInterface.register("sdpa", _cpu_gqa_sdpa)
+    AttentionInterface.register("sdpa", cpu_gqa_sdpa)
     # torch's CPU kernels split their work one way until set_num_threads is first called and
     # another afterwards, the same count or not; a warm-start build calls it (`one_thread`), so
     # without this a run that built its policy first and one that found it cached diverge

@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from agentree.algorithms.batching import Batch
-from agentree.algorithms.packing import PackedBatch
+from agentree.algorithms.packing import Batch, PackedBatch
 from agentree.config import ExperimentConfig, TrainConfig
 from agentree.learner.launch import free_port
 from agentree.learner.lora import BaseModelView, add_lora

@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
-from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.batching import Batch, turn_samples
+from agentree.algorithms.advantages import advantage_estimator
 from agentree.algorithms.loss import loss_normalizer, policy_loss, rollout_is_weights
 from agentree.algorithms.packing import (
+    Batch,
     PackedBatch,
     attention_break_even,
     batch_logprobs,
     choose_layout,
+    turn_samples,
 )
 from agentree.config import TrainConfig
 from agentree.tree import Trajectory, Tree
@@ -59,6 +60,7 @@ class PolicyUpdate:
         self.temperature = temperature
         self.pad_id = pad_id
         self.rng = rng or random.Random(0)
+        self.advantages = advantage_estimator(tc.advantage, tc.advantage_kwargs())
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=tc.lr,
@@ -83,7 +85,7 @@ class PolicyUpdate:
     ) -> list[Batch] | list[PackedBatch]:
         """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
-        advs = compute_advantages(tc.advantage, trees, groups, **tc.advantage_kwargs())
+        advs = self.advantages(trees, groups)
         # with a history window each turn is trained on the prompt it was sampled against
         samples, advs = turn_samples(trees, groups, advs)
         kappa = attention_break_even(self.model)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from agentree.algorithms.batching import Batch, make_batch, token_logprobs
+from agentree.algorithms.packing import Batch, make_batch, token_logprobs
 from agentree.config import ExperimentConfig, LogConfig
 from agentree.envs.base import Task
 from agentree.learner.base import Learner, make_learner

@@ -101,7 +101,8 @@ class TurnRunner:
             return self._free.pop()
         env = self.ctx.env_factory()
         if not self._envs:
-            self.tools = tool_schemas(env.tools())
+            specs = env.tools()
+            self.tools = tool_schemas(specs) if specs else []  # free text: nothing to check
         self._envs.append(env)
         return env
 
