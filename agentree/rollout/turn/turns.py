@@ -101,8 +101,7 @@ class TurnRunner:
             return self._free.pop()
         env = self.ctx.env_factory()
         if not self._envs:
-            specs = env.tools()
-            self.tools = tool_schemas(specs) if specs else []  # free text: nothing to check
+            self.tools = tool_schemas(env.tools())
         self._envs.append(env)
         return env
 
