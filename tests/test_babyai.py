@@ -4,6 +4,8 @@ scorer and the scripted expert."""
 from __future__ import annotations
 
 import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -222,3 +224,26 @@ def test_warm_demonstrations_are_in_format() -> None:
     for conv in convs:
         assert conv[0]["content"].startswith("Mission: ")
         assert all(parse_action(m["content"]) for m in conv[1::2])
+
+
+def test_resets_in_worker_threads_leave_stdout_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rollouts reset envs in worker threads: silencing minigrid's rejection-sampling notes
+    must not swap `sys.stdout` (threads racing on the swap leave it pointing at a buffer, and
+    every later print of the run vanishes), and the notes stay off the output."""
+    before = sys.stdout
+    envs = [BabyAIEnv(level="GoToObjMazeS4") for _ in range(8)]
+
+    def resets(i: int) -> None:
+        for seed in range(i * 40, i * 40 + 40):  # minigrid rejects about one layout a reset in four
+            envs[i].reset(seed=seed)
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(resets, range(8)))
+    finally:
+        for env in envs:
+            env.close()
+    assert sys.stdout is before
+    print("still here")
+    out = capsys.readouterr().out
+    assert out == "still here\n"

@@ -19,10 +19,9 @@ env reports its length (`info["plan_left"]`, and `info["start_plan"]` at the sta
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-import io
+import logging
 import random
 import re
 from collections import OrderedDict, deque
@@ -34,6 +33,8 @@ from pydantic import Field
 
 from agentree import prompts
 from agentree.envs.base import Env, EnvConfig, Task
+
+log = logging.getLogger(__name__)
 
 LEVELS = {
     "GoToObj": "BabyAI-GoToObj-v0",
@@ -57,6 +58,11 @@ _DIRS = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid's DIR_TO_VEC: east, south
 _PLAN_ORDER = (2, 0, 1, 3, 5, 4)  # forward first: between equally short plans, fewer turns early
 _NO_PLAN_LIMIT = 200_000
 Pos = tuple[int, int]
+
+
+def _minigrid_note(*args: object, **_kwargs: object) -> None:
+    """minigrid's notes while it samples a level ("Sampling rejected: ..."), as debug log lines."""
+    log.debug(" ".join(map(str, args)))
 
 
 class BabyAIConfig(EnvConfig):
@@ -365,6 +371,14 @@ class BabyAIEnv(Env):
             raise ImportError(
                 "--env babyai needs the minigrid package: pip install 'agentree[babyai]'"
             ) from None
+        # deferred: part of the optional minigrid, imported just above
+        from minigrid.envs.babyai.core import roomgrid_level
+
+        # minigrid prints every layout it rejects while it samples one, which is not news here:
+        # its module-level `print` goes to the debug log instead. Not `redirect_stdout`: rollouts
+        # reset envs in worker threads, and threads swapping `sys.stdout` at once leave it
+        # pointing at a buffer, after which every print of the run is lost.
+        roomgrid_level.print = _minigrid_note
         # the turn limit is the wrapper's: lift minigrid's own
         return gymnasium.make(LEVELS[self.cfg.level], max_steps=10**9).unwrapped
 
@@ -377,9 +391,7 @@ class BabyAIEnv(Env):
             raise ValueError(f"babyai tasks take no reset options, got {sorted(options)}")
         if self._level is None:
             self._level = self._make()
-        # minigrid prints each rejected layout while it samples one; that is not news here
-        with contextlib.redirect_stdout(io.StringIO()):
-            self._level.reset(seed=seed)
+        self._level.reset(seed=seed)
         self._turn, self._done, self._known = 0, False, False
         self._start_plan = self.plan_left()
         return self.render(), self._info(valid=True, success=False)
