@@ -64,7 +64,9 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     if path == "tiny":
         out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, log=log)
     else:
-        out = warm_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, warm, log)
+        out = warm_policy_for_env(
+            env_name, env_kwargs, cfg.policy.tiny, warm, log, cfg.engine.history_window
+        )
     log(f"{path} policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
     return str(out)
 

@@ -17,7 +17,7 @@ from agentree.config import EngineConfig, TrainConfig, load_config
 from agentree.engines.base import SamplingParams
 from agentree.envs import Task, make_env
 from agentree.learner.update import PolicyUpdate
-from agentree.models.sft import examples_from_trees
+from agentree.models.sft import example_from_messages, examples_from_trees, windowed
 from agentree.rollout.base import RolloutContext, make_controller
 from agentree.scorers import make_scorer
 from agentree.tree import EndReason, Tree
@@ -112,6 +112,60 @@ def test_window_prompt_by_hand():
     tree.meta.pop("history")
     assert tree.turn_trajectories(traj) == [traj]
     assert tree.context_ids(b.id) == [1, 2, 10, 11, 3, 12, 4, 5]
+
+
+def test_windowed_demonstrations_are_the_rollouts_turn_samples(engine):
+    """A conversation laid out with the window (`windowed`, what a warm start or `agentree sft`
+    trains on under `engine.history: last:k`) gives, turn by turn, the ids and loss masks the
+    rollouts train: the text of windowed rollouts, tokenised as SFT does, against
+    `Tree.turn_trajectories`. One difference, by design: an answer the rollout cut at
+    `max_tokens` ends there, and SFT's answer closes its turn (the end-of-turn token it learns
+    is the one the rollout's next observation opens with)."""
+    k = 2
+    trees, _, groups = rollout(engine, k, **PATR)
+    chat = ChatFormat(engine.tokenizer)
+    eot = chat.end_of_turn_id
+    system = make_env("frozenlake").system_prompt
+    checked = 0
+    for tree, group in zip(trees, groups, strict=True):
+        for traj in group:
+            nodes = [tree.nodes[i] for i in traj.nodes]
+            if any(
+                chat.encode(n.action) != [i for i in n.action_ids if i != eot] for n in nodes[1:]
+            ):
+                continue  # sampled ids whose text tokenises another way: SFT sees the text
+            messages = [{"role": "user", "content": nodes[0].observation}]
+            for n in nodes[1:]:
+                messages += [{"role": "assistant", "content": n.action}]
+                messages += [{"role": "user", "content": n.observation}]
+            examples = [example_from_messages(chat, c, system) for c in windowed(messages, k)]
+            samples = tree.turn_trajectories(traj)
+            assert len(examples) == len(samples) == len(nodes) - 1
+            for e, s in zip(examples, samples, strict=True):
+                ids, mask = list(s.token_ids), list(s.loss_mask)
+                if ids[-1] != eot:  # cut at max_tokens
+                    ids, mask = [*ids, eot], [*mask, 1]
+                assert e.token_ids == ids
+                assert e.loss_mask == mask
+            checked += len(nodes) - 1 > k  # turns beyond the window were dropped
+    assert checked > 0
+
+
+def test_windowed_by_hand():
+    """The task, the last k turns (answers at weight 0) and the turn's answer; an answer of
+    weight 0 is context, not learned."""
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "o0"}]
+    for i in (1, 2, 3):
+        msgs += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"o{i}"}]
+    convs = windowed(msgs, 1)
+    assert [[m["content"] for m in c] for c in convs] == [
+        ["S", "o0", "a1"],
+        ["S", "o0", "a1", "o1", "a2"],
+        ["S", "o0", "a2", "o2", "a3"],
+    ]
+    assert [m.get("weight", 1) for m in convs[2]] == [1, 1, 0, 1, 1]
+    with pytest.raises(ValueError, match="at least one turn"):
+        windowed(msgs, 0)
 
 
 def test_history_setting_is_checked():

@@ -84,6 +84,41 @@ def test_malformed_conversations_are_rejected(tokenizer) -> None:
         example_from_messages(chat, [{"role": "robot", "content": "x"}])
 
 
+def test_an_answer_of_weight_zero_is_context(tokenizer) -> None:
+    """OpenAI's `"weight": 0` on an assistant message: its tokens stay in the ids, unlearned."""
+    chat = ChatFormat(tokenizer)
+    whole = example_from_messages(chat, CONVERSATION)
+    quiet = [dict(m) for m in CONVERSATION]
+    quiet[2]["weight"] = 0
+    ex = example_from_messages(chat, quiet)
+    assert ex.token_ids == whole.token_ids
+    first = [i for i, m in enumerate(whole.loss_mask) if m]
+    answer = len(chat.encode("```Right```")) + 1  # and its end-of-turn token
+    assert sum(whole.loss_mask) - sum(ex.loss_mask) == answer
+    assert ex.loss_mask[first[0] : first[0] + answer] == [0] * answer
+    with pytest.raises(ValueError, match="weight"):
+        example_from_messages(chat, [*quiet[:2], {**quiet[2], "weight": 0.5}])
+    with pytest.raises(ValueError, match="weight 1"):
+        example_from_messages(chat, quiet[:4])  # only an unlearned answer
+
+
+def test_chat_data_is_windowed_as_the_rollouts_show_it(tokenizer, tmp_path: Path) -> None:
+    """`engine.history: last:k` lays each chat conversation out turn by turn (`windowed`)."""
+    chat = ChatFormat(tokenizer)
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    whole = load_examples(data, chat, log=lambda _m: None)
+    turns = load_examples(data, chat, history=1, log=lambda _m: None)
+    assert len(whole) == 1 and len(turns) == 3
+    assert [sum(e.loss_mask) for e in turns] == [len(chat.encode("```Right```")) + 1] * 2 + [
+        len(chat.encode("```Down```")) + 1
+    ]
+    # the last turn: the task, the turn before it (unlearned), its answer; the first answer
+    # has left the window
+    last = tokenizer.decode(turns[2].token_ids)
+    assert last.count("```Right```") == 1 and "P _ _" in last and "_ P _" not in last
+
+
 def test_loss_from_target_positions_equals_the_full_logits_loss(
     tiny_frozenlake: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

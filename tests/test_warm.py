@@ -117,6 +117,10 @@ def test_warm_build_is_keyed_on_what_changes_its_weights() -> None:
         assert key("frozenlake", **relevant) != default, relevant
     assert build_key("frozenlake", {}, "another-base", warm) != default
     assert build_key("frozenlake", {}, "tiny-base", WarmConfig(expert_prob=0.6)) != default
+    # demonstrations laid out in a history window are their own build; without one the key
+    # is the one it had before windows existed
+    assert build_key("frozenlake", {}, "tiny-base", warm, history=None) == default
+    assert build_key("frozenlake", {}, "tiny-base", warm, history=4) != default
 
     # tool mode is its own build; text mode (the default) keeps the key it had before the
     # setting existed, for FrozenLake and for Sokoban (whose builds read every setting)

@@ -464,7 +464,12 @@ def cmd_sft(args: Any) -> int:
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy), cfg.policy.tool_format)
     examples = load_examples(
-        args.data, chat, min_reward=args.min_reward, system=system, tools=tools
+        args.data,
+        chat,
+        min_reward=args.min_reward,
+        system=system,
+        tools=tools,
+        history=cfg.engine.history_window,  # laid out as the rollouts will show them
     )
     sft = SFTConfig(
         epochs=args.epochs,

@@ -13,7 +13,12 @@ rollouts use: `prompt_ids(first user turn, system)`, then each assistant turn's 
 `observation_ids` of the next user turn. A fine-tuned checkpoint therefore sees in training the
 same token layout it will condition on in `agentree train --policy DIR`. The loss is the mean
 next-token cross-entropy over assistant tokens only (each assistant turn plus the end-of-turn
-token that closes it, so the model learns to stop).
+token that closes it, so the model learns to stop). An assistant message with `"weight": 0`
+(OpenAI's fine-tuning field) is context only: its tokens are not learned.
+
+With a history window (`engine.history: last:k`, `windowed`), a conversation becomes one example
+per assistant turn, laid out as the rollouts show that turn: the task (system prompt and first
+observation), the last k turns as context, and the turn's own answer, the only tokens learned.
 """
 
 from __future__ import annotations
@@ -109,16 +114,18 @@ def example_from_messages(
     turns = _merge_observations(msgs, bool(tools), chat.tool_format.format if tools else None)
     if not turns or turns[0][0] != "user":
         raise ValueError("a conversation must start with a user message (after the system one)")
-    if not any(role == "assistant" for role, _ in turns):
-        raise ValueError("a conversation without an assistant message has nothing to learn")
+    if not any(role == "assistant" and learn for role, _, learn in turns):
+        raise ValueError(
+            "a conversation without an assistant message (of weight 1) teaches nothing"
+        )
     ids = chat.prompt_ids(turns[0][1], system, tools)
     mask = [0] * len(ids)
     action: list[int] = []
-    for role, content in turns[1:]:
+    for role, content, learn in turns[1:]:
         if role == "assistant":
             action = [*chat.encode(content), chat.end_of_turn_id]
             ids += action
-            mask += [1] * len(action)
+            mask += [int(learn)] * len(action)
         else:
             results = content if role == "tool" else None
             obs = chat.observation_ids("" if results else content, action, results)
@@ -151,8 +158,9 @@ def _merge_observations(
     tool_turns: bool = False,
     write_calls: Callable[[list[ToolCall]], str] | None = None,
 ) -> list[tuple]:
-    """(role, content) turns alternating user/assistant, consecutive observations joined; with
-    `tool_turns`, a run of `tool` messages is one ("tool", [results]) turn instead."""
+    """(role, content, learn) turns alternating user/assistant, consecutive observations
+    joined; with `tool_turns`, a run of `tool` messages is one ("tool", [results], False) turn
+    instead. `learn` is False for observations and for assistant messages of weight 0."""
     out: list[tuple] = []
     for m in msgs:
         role = m["role"]
@@ -160,21 +168,52 @@ def _merge_observations(
             if out and out[-1][0] == "tool":
                 out[-1][1].append(str(m.get("content") or ""))
             else:
-                out.append(("tool", [str(m.get("content") or "")]))
+                out.append(("tool", [str(m.get("content") or "")], False))
             continue
         if role in OBSERVATION_ROLES:
             role = "user"
         elif role != "assistant":
             raise ValueError(f"unsupported message role {role!r} (system, user, assistant, tool)")
-        content = (
-            _assistant_text(m, write_calls) if role == "assistant" else str(m.get("content") or "")
-        )
-        if out and out[-1][0] == role:
-            if role == "assistant":
+        if role == "assistant":
+            if out and out[-1][0] == role:
                 raise ValueError("two assistant messages in a row; merge them or add the reply")
-            out[-1] = (role, out[-1][1] + "\n\n" + content)
+            weight = m.get("weight", 1)
+            if weight not in (0, 1):
+                raise ValueError(f"an assistant message's weight is 0 or 1, got {weight!r}")
+            out.append((role, _assistant_text(m, write_calls), weight == 1))
+            continue
+        content = str(m.get("content") or "")
+        if out and out[-1][0] == role:
+            out[-1] = (role, out[-1][1] + "\n\n" + content, False)
         else:
-            out.append((role, content))
+            out.append((role, content, False))
+    return out
+
+
+def windowed(messages: Sequence[dict[str, Any]], k: int) -> list[list[dict[str, Any]]]:
+    """A conversation as the rollouts show it under `engine.history: last:k`: one conversation
+    per assistant turn, holding the task (a system message and the observations before the
+    first answer), the last k turns before it (each an answer and the observations after it,
+    the answers at weight 0: context, not learned) and the turn's own answer."""
+    if k < 1:
+        raise ValueError(f"a history window holds at least one turn, got {k}")
+    task: list[dict[str, Any]] = []
+    turns: list[list[dict[str, Any]]] = []  # each: an answer, then the observations after it
+    for m in messages:
+        if m["role"] == "assistant":
+            turns.append([m])
+        elif turns:
+            turns[-1].append(m)
+        else:
+            task.append(m)
+    out = []
+    for i, turn in enumerate(turns):
+        context = [
+            {**msg, "weight": 0} if msg["role"] == "assistant" else msg
+            for earlier in turns[max(0, i - k) : i]
+            for msg in earlier
+        ]
+        out.append([*task, *context, turn[0]])
     return out
 
 
@@ -230,10 +269,12 @@ def load_examples(
     min_reward: float | None = None,
     system: str | None = None,
     tools: Sequence[dict[str, Any]] | None = None,
+    history: int | None = None,
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
-    """Examples from a chat JSONL file or a directory of agentree trees; `system` and `tools`
-    (the env's) lay chat conversations out as the rollouts do."""
+    """Examples from a chat JSONL file or a directory of agentree trees; `system`, `tools` (the
+    env's) and `history` (the window k of `engine.history: last:k`, or None) lay chat
+    conversations out as the rollouts do. Trees carry their own window."""
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {path} does not exist")
@@ -246,8 +287,11 @@ def load_examples(
     else:
         if min_reward is not None:
             raise ValueError("--min-reward filters agentree trees; chat JSONL has no rewards")
-        examples = [example_from_messages(chat, m, system, tools) for m in read_chat_jsonl(path)]
-        log(f"{len(examples)} conversations from {path}")
+        convs = read_chat_jsonl(path)
+        if history is not None:
+            convs = [turn for c in convs for turn in windowed(c, history)]
+        examples = [example_from_messages(chat, m, system, tools) for m in convs]
+        log(f"{len(examples)} {'turns' if history else 'conversations'} from {path}")
     if not examples:
         raise ValueError(f"no training examples in {path} (lower --min-reward?)")
     return examples

@@ -43,7 +43,7 @@ from agentree.envs.base import Env, env_class, has_expert, validate_env_kwargs
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
-from agentree.models.sft import SFTConfig, run_sft
+from agentree.models.sft import SFTConfig, run_sft, windowed
 from agentree.rollout.turn.turns import scripted_episode
 from agentree.tools import ToolCall, as_tool_action, tool_schemas
 
@@ -242,16 +242,24 @@ def build_settings(env_name: str, env_kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs if keep is None else {k: v for k, v in kwargs.items() if k in keep}
 
 
-def build_key(env_name: str, env_kwargs: dict[str, Any], base: str, warm: WarmConfig) -> str:
+def build_key(
+    env_name: str,
+    env_kwargs: dict[str, Any],
+    base: str,
+    warm: WarmConfig,
+    history: int | None = None,
+) -> str:
     """The cache name of a warm build: what determines its weights (the base policy, the env
-    settings the build reads, the warm-start settings), nothing else."""
+    settings the build reads, the warm-start settings, the history window its demonstrations
+    are laid out in), nothing else."""
     kw = build_settings(env_name, env_kwargs)
     if kw.get("action_format") == "text":  # added after builds were cached: default stays out
         del kw["action_format"]
     # v3: tiny builds train on one thread (`one_thread`)
     # a setting at its default stays out of the key when it was added after builds were cached
     keep = warm.model_dump(exclude={"pretrain_turns"} if warm.pretrain_turns == "episode" else None)
-    return content_key({"base": base, "env": env_name, "kw": kw, "warm": keep, "v": 3})
+    window = {} if history is None else {"history": history}
+    return content_key({"base": base, "env": env_name, "kw": kw, "warm": keep, "v": 3, **window})
 
 
 @contextmanager
@@ -303,9 +311,11 @@ def warm_policy_for_env(
     tiny: TinyModelConfig,
     warm: WarmConfig,
     log: Callable[[str], None] = print,
+    history: int | None = None,
 ) -> Path:
     """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
-    the noisy expert."""
+    the noisy expert. With `history` (the window k of `engine.history: last:k`) the episodes are
+    shown turn by turn as the rollouts show them (`windowed`); single turns stay single."""
     cls = env_class(env_name)
     if not has_expert(cls):
         raise ValueError(
@@ -319,7 +329,7 @@ def warm_policy_for_env(
     else:
         base = Path(local_policy(warm.base, log)).resolve()
         base_id = str(base)
-    key = build_key(env_name, kwargs, base_id, warm)
+    key = build_key(env_name, kwargs, base_id, warm, history)
 
     def phase(
         start: Path,
@@ -333,8 +343,12 @@ def warm_policy_for_env(
     ) -> None:
         t0 = time.perf_counter()
         convs = demonstrations(env_name, kwargs, expert)
+        shown = f"{turns}s"
         if turns == "single":
             convs = single_turns(convs)
+        elif history is not None:
+            convs = [turn for c in convs for turn in windowed(c, history)]
+            shown = f"turns, each with the last {history}"
         sft = SFTConfig(
             epochs=epochs,
             lr=lr,
@@ -345,7 +359,7 @@ def warm_policy_for_env(
         )
         name = f"warm {env_name} policy"
         log(
-            f"{name}: fine-tuning on {len(convs)} demonstrations ({turns}s) of the expert at "
+            f"{name}: fine-tuning on {len(convs)} demonstrations ({shown}) of the expert at "
             f"{expert.expert_prob} ({epochs} epochs; built once, then cached)"
         )
         run_sft(
