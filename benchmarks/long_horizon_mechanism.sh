@@ -23,8 +23,12 @@ run() {  # label config budget policies...
         --budget "$budget" --tasks "$TASKS" --temperatures "${TEMPERATURES[@]}" --threads 1 \
         --batch 8 --set engine.prefix_cache_mb=256 --policy "$@"
 }
-# budgets: one round of flat GRPO's group (G=8) at about the turn limit
+# budgets: one round of flat GRPO's group (G=8) at the turn limit (FrozenLake's and Sokoban's
+# episodes end early, so that is about 27 and 9 trajectories a task)
 run frozenlake8 frozenlake8_patr 128 tiny-warm tiny-warm@0.9
 run sokoban2 sokoban2_patr 112 tiny-warm tiny-warm@0.9
-# BabyAI last: 32 turns of about 60 tokens each make its rollouts the slowest by far
-run babyai babyai_patr 256 tiny-warm tiny-warm@0.9
+# BabyAI last: 32 turns of about 60 tokens each make its rollouts the slowest by far. Two
+# rounds of G=8: most of its episodes run the whole 32 turns, and at one round (256) PATR's
+# tree is cut before its branches finish (2 finished trajectories a task, 13 cut). Its
+# contexts need a prefix cache of about 2 GB (at 256 MB a level takes six times as long).
+run babyai babyai_patr 512 tiny-warm tiny-warm@0.9 --set engine.prefix_cache_mb=2048

@@ -158,6 +158,14 @@ def run_level(
         trees, stats = controller.rollout(tasks[i : i + args.batch], ctx)
         for k, v in counts(controller, trees, stats).items():
             total[k] = total.get(k, 0) + v
+        done = min(i + args.batch, len(tasks))
+        if done < len(tasks):  # progress on long levels (BabyAI: minutes a batch)
+            print(
+                f"[{time.strftime('%H:%M:%S')}]   {method} T={temperature:g}: {done}/"
+                f"{len(tasks)} tasks, {total.get('env_steps', 0):.0f} env steps, "
+                f"{time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
     return {
         "method": method,
         "policy": policy_tag(policy),
