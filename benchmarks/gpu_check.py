@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +106,12 @@ def check_generation(model: Any, tokenizer: Any, device: torch.device) -> dict[s
     new, plen = GEN_TOKENS[device.type], PROMPT_TOKENS[device.type]
     gen = torch.Generator().manual_seed(1)
     out: dict[str, Any] = {"prompt_tokens": plen, "max_tokens": new}
-    # warm-up: kernels, allocator
-    engine.generate([[5] * 8], SamplingParams(max_tokens=2))
     for batch in (1, 32):
         prompts = torch.randint(10, 500, (batch, plen), generator=gen).tolist()
         params = SamplingParams(max_tokens=new, temperature=1.0)
+        # warm-up of the same shapes: kernels, allocator, attention and cuBLAS heuristics (a
+        # cold first call cost 2.5x the warm one per step on an H200)
+        engine.generate(prompts, params)
         reset_peak(device)
         sync(device)
         t0 = time.perf_counter()
@@ -229,6 +231,9 @@ def check_update(
     out: dict[str, Any] = {}
     for layout in ("padded", "tree"):
         micro = choose_layout(groups, advs, 0, tc.micro_batch_size, layout)
+        # an untimed pass first, so that the layout timed first does not also pay the kernels'
+        # first-use costs
+        loss_grads(model, micro, device, tc)
         out[layout] = loss_grads(model, micro, device, tc)
     a, b = out["padded"].pop("grads"), out["tree"].pop("grads")
     diff = math.sqrt(sum(float((a[n] - b[n]).pow(2).sum()) for n in a))
@@ -288,7 +293,10 @@ def check_fsdp2(
     }
 
 
-def run(device_name: str) -> dict[str, Any]:
+def run(device_name: str, save: Any = lambda summary: None) -> dict[str, Any]:
+    """The four checks in order. The summary is handed to `save` after each, so a run cut off
+    by a machine's time limit still leaves its finished steps; a step that raises is recorded
+    as `{"error": ...}` and the steps that need its result are skipped, not the others."""
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device is visible; run with --device cpu for the small check")
@@ -298,33 +306,62 @@ def run(device_name: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "shape": "qwen2.5-0.5b" if device.type == "cuda" else "small",
     }
+
+    def step(name: str, fn: Any, figures: Any = lambda result: result) -> Any:
+        """Run one check, keep its figures in the summary, save, and return its result."""
+        print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        try:
+            result = fn()
+            summary[name] = figures(result)
+        except Exception as exc:
+            traceback.print_exc()
+            summary[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            result = None
+        print(f"[gpu_check] {name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        save(summary)
+        return result
+
     with tempfile.TemporaryDirectory(prefix="agentree-gpu-check-") as tmp:
         # the tiny policy is built into a private cache unless AGENTREE_CACHE names one, so
         # nothing is left in the user's home
         os.environ.setdefault("AGENTREE_CACHE", str(Path(tmp) / "cache"))
-        summary["patr"], trees, groups, tokenizer = check_patr(device)
+        rollout = step("patr", lambda: check_patr(device), lambda r: r[0])
         gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = build_model(device, gen_dtype)
         summary["parameters"] = sum(p.numel() for p in model.parameters())
-        summary["generation"] = check_generation(model, tokenizer, device)
-        model = model.float()  # fp32 master weights; the update runs under bf16 autocast
-        summary["grpo_update"] = check_update(model, trees, groups, device)
-        summary["fsdp2"] = check_fsdp2(model, trees, groups, device, Path(tmp))
+        if rollout is not None:
+            _, trees, groups, tokenizer = rollout
+            step("generation", lambda: check_generation(model, tokenizer, device))
+            model = model.float()  # fp32 master weights; the update runs under bf16 autocast
+            step("grpo_update", lambda: check_update(model, trees, groups, device))
+            step("fsdp2", lambda: check_fsdp2(model, trees, groups, device, Path(tmp)))
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    save(summary)
     return summary
+
+
+def passed(summary: dict[str, Any]) -> bool:
+    """Every step ran and the two layouts' gradients agree."""
+    steps = ("patr", "generation", "grpo_update", "fsdp2")
+    if any(not isinstance(summary.get(k), dict) or "error" in summary[k] for k in steps):
+        return False
+    return bool(summary["grpo_update"]["grads_equal"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (the full check) or cpu (small)")
-    ap.add_argument("--out", type=Path, help="also write the JSON summary here")
+    ap.add_argument("--out", type=Path, help="also write the JSON summary here (after each step)")
     args = ap.parse_args(argv)
-    summary = run(args.device)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0 if summary["grpo_update"]["grads_equal"] else 1
+
+    def save(summary: dict[str, Any]) -> None:
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+    summary = run(args.device, save)
+    print(json.dumps(summary, indent=2))
+    return 0 if passed(summary) else 1
 
 
 if __name__ == "__main__":

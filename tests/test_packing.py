@@ -15,6 +15,8 @@ from small_policy import WARM_2_LAYERS
 from agentree.algorithms.advantages import compute_advantages
 from agentree.algorithms.loss import loss_normalizer, policy_loss
 from agentree.algorithms.packing import (
+    ATTN_PER_WIDTH,
+    attention_break_even,
     batch_logprobs,
     choose_layout,
     make_batch,
@@ -255,6 +257,23 @@ def test_auto_layout_picks_the_packed_rows_for_a_shared_prefix():
     assert type(choose_layout([group], advs, 0, 8, "padded")[0]).__name__ == "Batch"
     with pytest.raises(ValueError, match=r"train\.packing"):
         choose_layout([group], advs, 0, 8, "sometimes")
+
+
+def test_break_even_is_the_model_devices_figure_times_its_width():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    assert attention_break_even(model) == ATTN_PER_WIDTH["cpu"] * 48
+    if torch.cuda.is_available():
+        assert attention_break_even(model.cuda()) == ATTN_PER_WIDTH["cuda"] * 48
 
 
 def test_policy_update_packed_equals_padded(tmp_path, monkeypatch):

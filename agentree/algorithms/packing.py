@@ -35,7 +35,7 @@ padding takes SDPA's causal path and pays for about half.
 Which layout a batch uses (`train.packing`): `tree`, `padded`, or `auto`, which picks the
 layout with the smaller `layout_cost`: per row, `L * (1 + L / kappa)` for a packed row and
 `L * (1 + L / (2 kappa))` for a padded one (linear layers grow with the row's tokens,
-attention with their square), kappa = `ATTN_PER_WIDTH * hidden_size`.
+attention with their square), kappa = `ATTN_PER_WIDTH[device type] * hidden_size`.
 
 Log-probs come from the full [tokens x vocab] logits, or with `chunk > 0` from slices of
 `chunk` tokens through the output layer (`chunked_logprobs`): each slice's fp32 logits are
@@ -148,10 +148,14 @@ def token_logprobs(model: Any, b: Batch, temperature: float, chunk: int = 0) -> 
     return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-ATTN_PER_WIDTH = 3.0
-"""kappa / hidden_size, where kappa is the row length at which a dense-masked row's attention
-costs as much as the rest of its forward and backward. Measured on the 2-core CPU with the
-tiny Qwen2 (hidden 128): 4096 tokens as 16 x 256 vs 1 x 4096 rows take 1 : 7.4, kappa ~ 400."""
+ATTN_PER_WIDTH = {"cpu": 3.0, "cuda": 13.0}
+"""kappa / hidden_size by device type, where kappa is the row length at which a dense-masked
+row's attention costs as much as the rest of its forward and backward. CPU: the 2-core machine
+with the tiny Qwen2 (hidden 128), 4096 tokens as 16 x 256 vs 1 x 4096 rows take 1 : 7.4, kappa
+~ 400. CUDA: `benchmarks/packing_break_even.py` on an H200 with the Qwen2.5-0.5B shape (hidden
+896, bf16 autocast), 8192 tokens as 32 x 256 vs 1 x 8192 take 1 : 1.67, kappa ~ 11800 (shorter
+totals are launch-bound and give 13-18 x hidden or no penalty at all). Other device types take
+the CPU's figure."""
 
 
 @dataclass
@@ -419,8 +423,12 @@ def layout_cost(micro: Sequence[Batch | PackedBatch], kappa: float) -> float:
 
 
 def attention_break_even(model: Any) -> float:
-    """kappa of the `auto` rule for this model (that of the tiny policy if it has no config)."""
-    return ATTN_PER_WIDTH * float(getattr(getattr(model, "config", None), "hidden_size", 128))
+    """kappa of the `auto` rule for this model on its device (the tiny policy's width if it has
+    no config)."""
+    params = getattr(model, "parameters", None)
+    device = next(params()).device.type if params is not None else "cpu"
+    width = float(getattr(getattr(model, "config", None), "hidden_size", 128))
+    return ATTN_PER_WIDTH.get(device, ATTN_PER_WIDTH["cpu"]) * width
 
 
 def choose_layout(
