@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from swe_support import assert_no_leftovers, require_docker
@@ -289,6 +290,42 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     assert all(0 <= hit <= n for hit, n in match.values())
     # built once: a second call with the same tasks and settings reuses the directory
     assert expert.warm_policy(records, cfg, out_dir=path) == path
+
+
+@pytest.mark.slow  # two one-epoch builds of a 32-wide policy: about 15 s
+def test_warm_policy_with_a_history_window_trains_turn_by_turn(tmp_path, monkeypatch):
+    """`WarmConfig.history` (`agentree swe warm --history K`): one example per expert turn, laid
+    out as the rollouts show it under engine.history=last:K; its own cache entry."""
+    monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path / "cache"))
+    records = _records(["durations", "roman"], 2)
+    small = TinyModelConfig(
+        vocab_size=256,
+        min_frequency=2,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
+    whole = expert.WarmConfig(model=small, renamed_copies=0, epochs=1, batch_size=4)
+    window = whole.model_copy(update={"history": 2})
+    convs = [json.loads(x)["messages"] for x in _written(records, whole, tmp_path)]
+    answers = sum(m["role"] == "assistant" for c in convs for m in c)
+    said: list[str] = []
+    path = expert.warm_policy(records, window, log=said.append)
+    assert json.loads((path / "sft.json").read_text())["examples"] == answers
+    assert any("turn by turn, each with the last 2" in m for m in said)
+    plain = expert.warm_policy(records, whole, log=lambda _: None)
+    assert plain != path  # the window is part of the build's key
+    assert json.loads((plain / "sft.json").read_text())["examples"] == len(convs)
+    saved = expert.WarmConfig.model_validate_json((path / expert.WARM_CONFIG).read_text())
+    assert saved.history == 2
+
+
+def _written(records: list[dict], cfg: expert.WarmConfig, tmp_path: Path) -> list[str]:
+    out = tmp_path / "expert.jsonl"
+    expert.write_trajectories(records, out, cfg)
+    return out.read_text().splitlines()
 
 
 def test_warm_command_writes_trajectories_for_another_model(tmp_path, capsys):

@@ -106,6 +106,12 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         help="bash blocks (text, the default) or execute_bash/submit tool calls (tools)",
     )
     warm.add_argument(
+        "--history",
+        type=int,
+        metavar="K",
+        help="train turn by turn as the rollouts show them under engine.history=last:K",
+    )
+    warm.add_argument(
         "--micro-batch-size", type=int, help="trajectories forwarded together (0: the batch)"
     )
     warm.add_argument("--seed", type=int, default=0, help="weights and example order")
@@ -229,6 +235,7 @@ def warm_command(args: argparse.Namespace) -> int:
         "edit": args.edit,
         "per_task": args.per_task,
         "action_format": args.action_format,
+        "history": args.history,
     }
     if args.policy:  # a pretrained model: its own learning rate, and it copies names already
         chosen = {**REAL_MODEL_WARM, **{k: v for k, v in chosen.items() if v is not None}}

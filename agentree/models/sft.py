@@ -217,6 +217,16 @@ def windowed(messages: Sequence[dict[str, Any]], k: int) -> list[list[dict[str, 
     return out
 
 
+def windowed_all(
+    convs: Sequence[Sequence[dict[str, Any]]], k: int | None
+) -> list[list[dict[str, Any]]]:
+    """Every conversation of `convs` turn by turn under a window of k (`windowed`); unchanged
+    without one."""
+    if k is None:
+        return [list(c) for c in convs]
+    return [turn for c in convs for turn in windowed(c, k)]
+
+
 def read_chat_jsonl(path: str | Path) -> list[list[dict[str, Any]]]:
     """Conversations of a chat JSONL file (`{"messages": [...]}` per line)."""
     out = []
@@ -288,8 +298,7 @@ def load_examples(
         if min_reward is not None:
             raise ValueError("--min-reward filters agentree trees; chat JSONL has no rewards")
         convs = read_chat_jsonl(path)
-        if history is not None:
-            convs = [turn for c in convs for turn in windowed(c, history)]
+        convs = windowed_all(convs, history)
         examples = [example_from_messages(chat, m, system, tools) for m in convs]
         log(f"{len(examples)} {'turns' if history else 'conversations'} from {path}")
     if not examples:

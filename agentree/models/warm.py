@@ -43,7 +43,7 @@ from agentree.envs.base import Env, env_class, has_expert, validate_env_kwargs
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
-from agentree.models.sft import SFTConfig, run_sft, windowed
+from agentree.models.sft import SFTConfig, run_sft, windowed_all
 from agentree.rollout.turn.turns import scripted_episode
 from agentree.tools import ToolCall, as_tool_action, tool_schemas
 
@@ -347,7 +347,7 @@ def warm_policy_for_env(
         if turns == "single":
             convs = single_turns(convs)
         elif history is not None:
-            convs = [turn for c in convs for turn in windowed(c, history)]
+            convs = windowed_all(convs, history)
             shown = f"turns, each with the last {history}"
         sft = SFTConfig(
             epochs=epochs,

@@ -48,7 +48,7 @@ from agentree.envs.swe.env import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_command
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, build_tiny_policy
-from agentree.models.sft import SFTConfig, example_from_messages, run_sft
+from agentree.models.sft import SFTConfig, example_from_messages, run_sft, windowed_all
 from agentree.prompts import load, placeholders, render
 from agentree.swe.generate import fixed_files
 from agentree.swe.mutate import mutations
@@ -678,6 +678,10 @@ class WarmConfig(BaseModel):
     action_format: Literal["text", "tools"] = "text"
     """text: bash blocks; tools: the same commands as `execute_bash` calls and `submit`
     (`tool_form`), for SWEEnv's tool mode."""
+    history: int | None = Field(None, ge=1)
+    """The window k of `engine.history: last:k` the policy will roll out with: each trajectory
+    is then trained turn by turn as the rollouts show it (`agentree.models.sft.windowed`: the
+    task, the last k turns as context, the turn's answer); None: whole trajectories."""
 
 
 WARM_CONFIG = "swe_warm.json"
@@ -713,7 +717,8 @@ def warm_policy(
     if len(convs) > cfg.max_trajectories:
         convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
     # a setting at its default stays out of the key when it was added after builds were cached
-    dumped = cfg.model_dump(exclude={"action_format"} if cfg.action_format == "text" else None)
+    late = {"action_format": cfg.action_format == "text", "history": cfg.history is None}
+    dumped = cfg.model_dump(exclude={k for k, default in late.items() if default})
     key = content_key({"convs": convs, "cfg": dumped, "v": 3})
     target = out_dir or cache_root() / "swe-warm" / key
     if (target / "config.json").exists():
@@ -721,8 +726,9 @@ def warm_policy(
     env = SWEEnv(action_format=cfg.action_format)
     system, tools = env.system_prompt, tool_schemas(env.tools())
     env.close()
+    examples = windowed_all(convs, cfg.history)
     if cfg.base != "tiny":
-        return _warm_real_model(convs, cfg, system, target, log, tools)
+        return _warm_real_model(examples, cfg, system, target, log, tools)
     corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
     if tools:  # the generic tools rendering and the calls as the policy writes them
         chat_text = [json.dumps(t) for t in tools] + [load("tools/hermes.txt")]
@@ -737,7 +743,14 @@ def warm_policy(
         base = build_tiny_policy(corpus, shape, atomic, out_dir=tmp / "base", log=log)
         sft = SFTConfig(epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed)
         run_sft(
-            base, convs, tmp, sft, system=system, tools=tools, log=log, state_dir=_sft_state(target)
+            base,
+            examples,
+            tmp,
+            sft,
+            system=system,
+            tools=tools,
+            log=log,
+            state_dir=_sft_state(target),
         )
         shutil.rmtree(tmp / "base")
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
@@ -745,14 +758,18 @@ def warm_policy(
     return build_once(
         target,
         write,
-        what=f"SWE warm policy ({len(convs)} trajectories, {cfg.epochs} epochs)",
+        what=f"SWE warm policy ({len(convs)} trajectories{_shown(cfg)}, {cfg.epochs} epochs)",
         expected="about 20 min on 2 CPU cores",
         log=log,
     )
 
 
+def _shown(cfg: WarmConfig) -> str:
+    return "" if cfg.history is None else f" turn by turn, each with the last {cfg.history}"
+
+
 def _warm_real_model(
-    convs: list[list[dict[str, str]]],
+    convs: list[list[dict[str, Any]]],
     cfg: WarmConfig,
     system: str,
     target: Path,
@@ -771,7 +788,7 @@ def _warm_real_model(
     cut = sum(n > cfg.max_length for n in lengths)
     minutes = tokens / TRAINED_TOKENS_PER_S / 60
     log(
-        f"{len(convs)} trajectories, {tokens} tokens to train over {cfg.epochs} epoch(s) "
+        f"{len(convs)} examples{_shown(cfg)}, {tokens} tokens to train over {cfg.epochs} epoch(s) "
         f"({cut} cut at {cfg.max_length} tokens): about {minutes:.0f} min for a 135M model on "
         "2 quiet CPU cores (full fine-tune; scale by model size, less on a GPU)"
     )
