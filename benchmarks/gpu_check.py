@@ -92,6 +92,19 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def device_label(device: torch.device) -> str:
+    """The device as a summary names it: the GPU's model, or `cpu`."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def emit(summary: dict[str, Any], out: Path | None) -> None:
+    """Print the JSON summary, and write it to `out` when given."""
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -302,7 +315,7 @@ def run(device_name: str, save: Any = lambda summary: None) -> dict[str, Any]:
         raise SystemExit("no CUDA device is visible; run with --device cpu for the small check")
     t0 = time.perf_counter()
     summary: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_label(device),
         "torch": torch.__version__,
         "shape": "qwen2.5-0.5b" if device.type == "cuda" else "small",
     }
@@ -360,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(summary, indent=2) + "\n")
 
     summary = run(args.device, save)
-    print(json.dumps(summary, indent=2))
+    emit(summary, args.out)
     return 0 if passed(summary) else 1
 
 

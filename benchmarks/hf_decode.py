@@ -20,14 +20,13 @@ device waits for launches.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check import PROMPT_TOKENS, build_model, sync
+from gpu_check import PROMPT_TOKENS, build_model, device_label, emit, sync
 
 
 def tokenizer_for_check() -> Any:
@@ -82,7 +81,7 @@ def run(device_name: str, steps: int) -> dict[str, Any]:
     plen = PROMPT_TOKENS[device.type]
     params = SamplingParams(max_tokens=steps, temperature=1.0)
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_label(device),
         "torch": torch.__version__,
         "prompt_tokens": plen,
         "steps": steps,
@@ -139,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     summary = run(args.device, args.tokens)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(summary, args.out)
     return 0
 
 

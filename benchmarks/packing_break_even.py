@@ -20,7 +20,6 @@ outweighs the tokens saved). Times are medians of `--repeats` after a warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check import build_model, sync
+from gpu_check import build_model, device_label, emit, sync
 
 from agentree.algorithms.packing import attention_mask
 
@@ -87,7 +86,7 @@ def run(device_name: str, repeats: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     length = ROW[device.type]
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_label(device),
         "torch": torch.__version__,
         "hidden_size": model.config.hidden_size,
         "row_tokens": length,
@@ -106,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     summary = run(args.device, args.repeats)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(summary, args.out)
     return 0
 
 
