@@ -98,6 +98,20 @@ def test_summary_reports_actual_env_steps_and_reach(bench, tmp_path, monkeypatch
     assert s["paired_vs_grpo"]["patr"]["diffs"] == pytest.approx([0.1, -0.1])
     assert s["paired_patr_vs"]["grpo"]["diffs"] == pytest.approx([0.1, -0.1])  # PATR - GRPO
     assert set(s["paired_patr_vs"]) == {"grpo"}
+    assert s["grpo_learned"] is True
+
+
+def test_no_reach_target_when_grpo_ends_at_or_below_its_start(bench, tmp_path, monkeypatch):
+    """A GRPO final no higher than the shared start is met at 0 env steps by every curve: the
+    reach figure is then null for every method, and the summary says GRPO did not learn."""
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    write_run(case / "grpo" / "seed0", [40, 40], [0.2, 0.1, 0.2])
+    write_run(case / "patr" / "seed0", [30, 30], [0.2, 0.3, 0.1])
+    s = bench.summarise("frozenlake", ["grpo", "patr"], [0], tmp_path, None)
+    assert s["grpo_learned"] is False
+    assert s["methods"]["grpo"]["env_steps_to_grpo_final"] is None
+    assert s["methods"]["patr"]["env_steps_to_grpo_final"] is None
 
 
 def test_calibration_measures_the_budget_from_the_warm_start_and_is_kept(
