@@ -15,7 +15,9 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
   excluded) per env step;
 - `budget_cut_per_task`: branches the budget ended (out of the groups). The branches live when
   it runs out are more often long ones, so many cuts bias a group towards short episodes: give
-  the budget room for several rounds of each method (e.g. 2 x G x the mean episode length).
+  the budget room for several rounds of each method (e.g. 2 x G x the mean episode length),
+  or `--budget-reserve` (every method starts only what the budget can finish: no cuts, up to
+  one turn limit of steps unspent).
 
 Policy strength is swept by sampling temperature (`--temperatures`) and, optionally, by warm
 starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`;
@@ -145,7 +147,7 @@ def run_level(
 ) -> dict[str, Any]:
     """One method at one level (`policy`, the engine's, at `temperature`) over every task, in
     batches of `--batch` tasks."""
-    controller = make_controller(method, **settings, env_step_budget=args.budget)
+    controller = make_controller(method, **run_settings(settings, args))
     total: dict[str, float] = {}
     t0 = time.perf_counter()
     rt.engine.seed(args.seed)
@@ -170,7 +172,7 @@ def run_level(
         "method": method,
         "policy": policy_tag(policy),
         "temperature": temperature,
-        "settings": {**settings, "env_step_budget": args.budget},
+        "settings": run_settings(settings, args),
         "counts": total,
         **metrics(total),
         "wall_s": round(time.perf_counter() - t0, 2),
@@ -180,6 +182,11 @@ def run_level(
 def policy_tag(policy: str) -> str:
     """A policy's name in file names: the last part of a path or hub id."""
     return policy.rstrip("/").rsplit("/", 1)[-1]
+
+
+def run_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A method's controller settings with the budget every method shares."""
+    return {**settings, "env_step_budget": args.budget, "budget_reserve": args.budget_reserve}
 
 
 def level_path(out: Path, label: str, method: str, policy: str, temperature: float) -> Path:
@@ -193,12 +200,19 @@ def measure(args: argparse.Namespace) -> None:
     if "grpo" not in settings:
         raise ValueError("--methods must include grpo: flat sampling's success names the levels")
     for policy in args.policy:
-        todo = [
-            (m, t)
-            for t in args.temperatures
-            for m in settings
-            if not level_path(out, label, m, policy, t).exists()
-        ]
+        todo = []
+        for t in args.temperatures:
+            for m in settings:
+                path = level_path(out, label, m, policy, t)
+                if not path.exists():
+                    todo.append((m, t))
+                    continue
+                kept = {"budget_reserve": False, **json.loads(path.read_text())["settings"]}
+                if kept != run_settings(settings[m], args):  # never mix two setups in one table
+                    raise SystemExit(
+                        f"{path} was measured with {kept}, not {run_settings(settings[m], args)}:"
+                        " give these settings another --out (or delete it to measure again)"
+                    )
         print(f"[{time.strftime('%H:%M:%S')}] {label} {policy}: {len(todo)} runs to do", flush=True)
         if todo:
             measure_policy(args, settings, todo, policy)
@@ -319,6 +333,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
     ap.add_argument("--budget", type=int, default=64, help="env steps per task, every method")
+    ap.add_argument(
+        "--budget-reserve",
+        action="store_true",
+        help="rollout.budget_reserve for every method: start only what the budget can finish",
+    )
     ap.add_argument("--tasks", type=int, default=128, help="held-out tasks per level")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.4, 2.0, 3.0])
     ap.add_argument("--batch", type=int, default=32, help="tasks per rollout call")

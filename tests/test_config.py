@@ -93,7 +93,8 @@ def test_overrides_and_component_switches():
     cfg = load_config(overrides=["train.lr=0.5", "rollout.K=3", "engine.stop=[]"])
     assert cfg.train.lr == 0.5 and cfg.rollout["K"] == 3 and cfg.engine.stop == []
     cfg = load_config(select={"rollout": "grpo", "steps": "7"})
-    assert cfg.rollout == {"name": "grpo", "env_step_budget": None, "G": 8}  # grpo defaults
+    grpo = {"name": "grpo", "env_step_budget": None, "budget_reserve": False, "G": 8}
+    assert cfg.rollout == grpo  # grpo defaults
     assert cfg.train.steps == 7
     cfg = load_config(select={"env": "custom_env.mygame:GuessEnv"}, overrides=["env.high=4"])
     assert cfg.env == {"name": "custom_env.mygame:GuessEnv", "high": 4, "max_turns": 6}

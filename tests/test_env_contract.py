@@ -75,6 +75,45 @@ def test_env_without_fork():
     assert check_env(NoFork(), require_fork=False)["forkable"] is False
 
 
+class Counter(Env):
+    """Deterministic and forkable; truncates at `limit` steps and declares `declared`."""
+
+    def __init__(self, limit: int, declared: int):
+        self.limit, self.declared = limit, declared
+
+    def reset(self, *, seed=None, options=None):
+        self.n = 0
+        return "0", {}
+
+    def step(self, action):
+        self.n += 1
+        return str(self.n), 0.0, False, self.n >= self.limit, {}
+
+    def snapshot(self):
+        return self.n
+
+    def restore(self, state):
+        self.n = state
+
+    def example_actions(self):
+        return ["a", "b"]
+
+    def turn_limit(self):
+        return self.declared
+
+
+def test_a_declared_turn_limit_is_checked():
+    """`budget_reserve` trusts `turn_limit()`: check_env plays the sample actions in a cycle
+    and fails an env still running after the limit it declares."""
+    assert check_env(Counter(limit=5, declared=5))
+    assert check_env(Counter(limit=3, declared=5))  # ending earlier is fine
+    with pytest.raises(EnvCheckError, match="turn_limit\\(\\) is 4, but the episode was still"):
+        check_env(Counter(limit=5, declared=4))
+    for name in ("frozenlake", "sokoban", "babyai", "countdown"):
+        env = make_env(name)
+        assert env.turn_limit() == getattr(getattr(env, "cfg", None), "max_turns", 1)
+
+
 def test_registry_and_import_paths():
     register_env("noforktest")(NoFork)
     assert env_class("noforktest") is NoFork

@@ -48,11 +48,11 @@ def tasks() -> list[Task]:
     return [Task(f"t{s}", seed=s, options={}) for s in range(3)]
 
 
-def rollout(tokenizer, key: str, budget: int | None, seed: int = 0):
+def rollout(tokenizer, key: str, budget: int | None, seed: int = 0, **settings):
     name = key.split("-old")[0].split("-beam")[0].split("-lookahead")[0]
     ctx = context(tokenizer, random_policy(seed), make_scorer("bfs"), max_turns=MAX_TURNS, p=0.7)
     ctx.rng = random.Random(seed)
-    ctrl = make_controller(name, env_step_budget=budget, **CONTROLLERS[key])
+    ctrl = make_controller(name, env_step_budget=budget, **CONTROLLERS[key], **settings)
     trees, stats = ctrl.rollout(tasks(), ctx)
     return ctrl, trees, stats
 
@@ -72,6 +72,63 @@ def test_every_controller_spends_its_budget_exactly(tokenizer, key, budget):
         cut = {n.id for n in leaves if n.end_reason == EndReason.BUDGET}
         assert not cut & {t.leaf for t in group}  # cut branches never train
     assert stats.trajectories == sum(len(ctrl.group(t)) for t in trees)
+
+
+@pytest.mark.parametrize("key", list(CONTROLLERS))
+@pytest.mark.parametrize("budget", [9, 20, 37])
+def test_budget_reserve_cuts_nothing_and_stays_within_one_episode(tokenizer, key, budget):
+    """With `budget_reserve` a branch starts only when the budget can finish it: no `budget`
+    leaf anywhere, never more than N steps, and at most one turn limit (6) short of N."""
+    ctrl, trees, stats = rollout(tokenizer, key, budget, budget_reserve=True)
+    for tree in trees:
+        steps = len(tree.nodes) - 1
+        assert budget - MAX_TURNS <= steps <= budget
+        assert all(leaf.end_reason is not None for leaf in tree.leaves())
+        assert all(leaf.end_reason != EndReason.BUDGET for leaf in tree.leaves())
+    assert sum(len(t.nodes) - 1 for t in trees) == stats.env_steps == CountingEnv.counts["step"]
+    assert "budget_cut" not in stats.extra
+    assert stats.trajectories == sum(len(ctrl.group(t)) for t in trees) > 0
+
+
+def test_grpo_reserves_whole_episodes(tokenizer):
+    # Always Right on the open map: every episode runs to the 4-turn limit. Budget 10 admits
+    # two whole episodes (8 steps); the 2 steps left cannot finish a third, so none starts.
+    ctx = context(tokenizer, lambda text, i: "```Right```", max_turns=4)
+    ctrl = make_controller("grpo", G=2, env_step_budget=10, budget_reserve=True)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    assert [str(n.end_reason) for n in tree.finished_leaves()] == ["max_turns"] * 2
+    assert stats.env_steps == 8 and stats.trajectories == 2
+    assert CountingEnv.counts["reset"] == 2
+    # 26 steps: two at a time, three times (24 steps); the last 2 cannot finish an episode
+    ctrl = make_controller("grpo", G=2, env_step_budget=26, budget_reserve=True)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    assert stats.trajectories == 6 and stats.env_steps == 24 and "budget_cut" not in stats.extra
+
+
+def test_patr_expands_only_what_the_reserve_can_finish(tokenizer):
+    # B0=2 branches reserve 4 turns each (8 of 11); at the checkpoint after 2 turns they hold 4
+    # more, so 11 - 2*2 - 4 = 3 unreserved steps admit one new branch at turn 2 (2 turns to go):
+    # one of the two expansions top_k=2 asks for. 10 steps, and the last 1 cannot start a round.
+    ctx = context(tokenizer, lambda text, i: "```Right```", make_scorer("bfs"), max_turns=4)
+    cfg = {"B0": 2, "K": 2, "M": 2, "top_k": 2, "theta": None, "alpha": None}
+    ctrl = make_controller("patr", **cfg, env_step_budget=11, budget_reserve=True)
+    (tree,), stats = ctrl.rollout([task()], ctx)
+    assert stats.forks == 1 + 1 and stats.expanded == 1  # the root's second branch, one fork
+    assert stats.env_steps == 10 and stats.trajectories == 3
+    assert all(str(n.end_reason) == "max_turns" for n in tree.finished_leaves())
+
+
+def test_budget_reserve_needs_a_turn_limit_and_a_budget_that_can_finish_one(tokenizer):
+    ctx = context(tokenizer, lambda text, i: "```Right```", max_turns=4)
+    ctrl = make_controller("grpo", G=2, env_step_budget=3, budget_reserve=True)
+    with pytest.raises(ValueError, match="cannot finish one episode of up to 4 turns"):
+        ctrl.rollout([task()], ctx)
+    env = ctx.env_factory()
+    env.turn_limit = lambda: None  # an env that does not say how long its episodes run
+    ctx.env_factory = lambda: env
+    ctrl = make_controller("grpo", G=2, env_step_budget=8, budget_reserve=True)
+    with pytest.raises(ValueError, match=r"turn_limit\(\) returns None"):
+        ctrl.rollout([task()], ctx)
 
 
 def nodes(trees) -> list[list[dict]]:

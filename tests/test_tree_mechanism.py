@@ -101,3 +101,6 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
         [("tiny", 1.0), (tiny_frozenlake.name, 1.0)]
     )
     assert json.loads((out / "summary.json").read_text()) == summary
+    # the same levels under other settings are another table: refused, not mixed in
+    with pytest.raises(SystemExit, match=r"measured with .*'budget_reserve': False"):
+        bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--budget-reserve"])

@@ -443,6 +443,9 @@ class BabyAIEnv(Env):
         self._turn, self._done = state.turn, state.done
         self._plan, self._known, self._start_plan = state.plan, state.known, state.start_plan
 
+    def turn_limit(self) -> int:
+        return self.cfg.max_turns
+
     def state_key(self) -> str:
         """Agent position and direction, what it carries, and the whole grid: equal keys are
         equal states (the invalid-action notice and the turn count are not part of it)."""

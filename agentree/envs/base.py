@@ -144,6 +144,14 @@ class Env(gymnasium.Env):
         """
         return None
 
+    def turn_limit(self) -> int | None:
+        """The most steps an episode can take (it is truncated there), or None: unknown.
+
+        `rollout.budget_reserve` reserves a trajectory's remaining steps up to it when the
+        trajectory starts, so a branch is started only when the env-step budget can finish it.
+        """
+        return None
+
     # -- tasks ------------------------------------------------------------------------------
     @classmethod
     def load_tasks(
@@ -397,8 +405,9 @@ def check_env(
 
     Checks: reset/step types; seeded reset is deterministic; the same seed and actions give the
     same episode; snapshot/restore reproduces the next step exactly, also when one snapshot is
-    restored several times and snapshots are restored out of order; close is idempotent.
-    Returns a small report ({"deterministic": True, "forkable": bool, ...}).
+    restored several times and snapshots are restored out of order; an env that declares a
+    `turn_limit()` ends every episode by then (the sample actions played in a cycle); close is
+    idempotent. Returns a small report ({"deterministic": True, "forkable": bool, ...}).
     """
     acts = list(actions) if actions is not None else list(env.example_actions())
     if not acts:
@@ -429,6 +438,18 @@ def check_env(
         problems.append(
             "the same seed and actions gave different episodes (step is not deterministic)"
         )
+
+    limit = env.turn_limit()
+    if limit is not None:
+        env.reset(seed=seed, options=options)
+        for t in range(1, limit + 1):
+            res = env.step(acts[(t - 1) % len(acts)])
+            if res[2] or res[3]:
+                break
+        else:
+            problems.append(
+                f"turn_limit() is {limit}, but the episode was still running after {limit} steps"
+            )
 
     forkable = True
     try:

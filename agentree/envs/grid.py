@@ -94,6 +94,9 @@ class GridGame(Env):
     def tools(self) -> list[ToolSpec]:
         return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
 
+    def turn_limit(self) -> int:
+        return self.cfg.max_turns
+
     def example_actions(self) -> list[str]:
         return example_moves(self.cfg.action_format)
 

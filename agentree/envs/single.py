@@ -42,6 +42,9 @@ class SingleStepEnv(Env):
         """The reset's info for the current task."""
         return {}
 
+    def turn_limit(self) -> int:
+        return 1
+
     def grade(self, action: str) -> tuple[float, dict[str, Any]]:
         """(reward, info) of the answer `action`; info holds at least `success`, `action_key`
         and `format_error`."""

@@ -43,6 +43,14 @@ class TurnConfig(ControllerConfig):
     run side by side (PATR's B0) and all outlive it leave an empty group. 0 or null: off (the
     controller's own sizes)."""
 
+    budget_reserve: bool = False
+    """With `env_step_budget`: start a trajectory or branch only when the budget can finish it.
+    Each one reserves the steps it may still take up to the env's turn limit
+    (`Env.turn_limit()`) when it starts and gives back what it did not use when it ends, so no
+    branch is cut and the group is not biased towards short episodes (the cut ones are the
+    longest). The price: the budget stays up to one turn limit short of N, and near its end
+    fewer branches run side by side. False (the default): truncate (see above)."""
+
 
 def call_info(action: Any) -> dict[str, Any]:
     """What a node records of a parsed action: its calls (`tool_calls`) and why it has none

@@ -174,6 +174,9 @@ class SWEEnv(Env):
     def tools(self) -> list[ToolSpec]:
         return list(SWE_TOOLS) if self._tools else []
 
+    def turn_limit(self) -> int:
+        return self.config.step_limit
+
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         with self._lock:
             if self._sandbox is None:

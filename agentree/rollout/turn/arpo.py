@@ -14,7 +14,9 @@ With `env_step_budget: N_env` (exact env steps per task) the rollout above is on
 all of a task's branches have ended with steps left, a new round starts below the same root (N
 fresh global samples, G trajectories at most, one group), until the steps are spent; the top-up
 is left to the next round. A fork also needs a step left for every live branch. The branches
-live when the budget runs out end with `budget` and stay out of the group.
+live when the budget runs out end with `budget` and stay out of the group. With
+`budget_reserve` a fork or a round gets only the branches the unreserved budget can finish (to
+the env's turn limit), so fewer than Z near the budget's end; none is cut.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class ARPO(Controller):
         stats = RolloutStats()
         t0 = time.perf_counter()
         h_init: dict[int, float] = {}  # id(branch) -> initial entropy of its trajectory
-        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget, reserve=cfg.budget_reserve) as runner:
             budget = runner.budget
             first = min(cfg.N, cfg.G, budget or cfg.G)
             groups = runner.start(tasks, first, fork=True)
@@ -88,12 +90,14 @@ class ARPO(Controller):
                     dh = (h - base) / base if base > 0 else 0.0
                     room = min(cfg.G - count[id(b.tree)], spare[id(b.tree)])
                     if cfg.alpha + cfg.beta * dh > cfg.tau and room > 0:
-                        z = min(cfg.Z, room)
+                        forks = runner.fork(b, min(cfg.Z, room) + 1)[1:]  # reserve: maybe fewer
+                        z = len(forks)
+                        if not z:
+                            continue
                         count[id(b.tree)] += z
                         spare[id(b.tree)] -= z
                         stats.expanded += 1
                         b.tree.nodes[b.node].info["arpo_branch"] = {"dH": dh, "Z": z}
-                        forks = runner.fork(b, z + 1)[1:]
                         for f in forks:
                             h_init[id(f)] = base
                         extra += forks
@@ -117,8 +121,9 @@ class ARPO(Controller):
         for tree, task in zip(trees, tasks, strict=True):
             n = min(self.config.N, self.config.G, runner.left(tree))
             if id(tree) not in busy and n > 0:
-                count[id(tree)] = n
-                out += runner.add_root_branches(tree, task, n)
+                fresh = runner.add_root_branches(tree, task, n)
+                count[id(tree)] = len(fresh)
+                out += fresh
         return out
 
     def _top_up(self, runner, trees, tasks, count, h_init) -> list[Branch]:

@@ -8,7 +8,9 @@ until N env steps are spent, G at most at a time. A new one starts when another 
 steps the live ones are expected to take (by the mean length of the task's finished
 trajectories) leave room for a whole one, or when none is live; so the only trajectories the
 budget cuts (ending with `budget`, left out of the group) are those live at its very end,
-usually one. Nothing else changes: each trajectory is an independent sample.
+usually one. With `budget_reserve` a new one starts whenever the unreserved budget covers a
+whole episode (the env's turn limit), and none is cut. Nothing else changes: each trajectory
+is an independent sample.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class FlatGRPO(Controller):
         cfg = self.config
         stats = RolloutStats()
         t0 = time.perf_counter()
-        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget, reserve=cfg.budget_reserve) as runner:
             g = cfg.G if runner.budget is None else min(cfg.G, runner.budget)
             groups = runner.start(tasks, g, fork=False)
             trees = [grp[0].tree for grp in groups]
@@ -76,6 +78,9 @@ class FlatGRPO(Controller):
             left = runner.left(tree)
             mine = [b for b in live if b.tree is tree]
             done = lengths[id(tree)]
+            if runner.reserve:  # the runner admits what the unreserved budget can finish
+                out += runner.add_root_branches(tree, task, self.config.G - len(mine))
+                continue
             if left <= 0 or not done:  # the first G run before any length is known
                 continue
             est = max(1.0, sum(done) / len(done))

@@ -16,7 +16,9 @@ With `env_step_budget: N` (exact env steps per task) the tree keeps growing unti
 spent: when all of a task's branches have ended and steps are left, Algorithm 1 starts again
 below the same root (B0 new branches, the same group), and a tree never holds more live branches
 than it has steps left (fewer expansions at a checkpoint, fewer branches in a new round). The
-branches live when the budget runs out end with `budget` and stay out of the group.
+branches live when the budget runs out end with `budget` and stay out of the group. With
+`budget_reserve` a checkpoint expands, and a round starts, only the branches the unreserved
+budget can finish (to the env's turn limit); none is cut.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class PATR(Controller):
         cfg = self.config
         stats = RolloutStats()
         t0 = time.perf_counter()
-        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget, reserve=cfg.budget_reserve) as runner:
             b0 = cfg.B0 if runner.budget is None else min(cfg.B0, runner.budget)
             groups = runner.start(tasks, b0, fork=True)
             trees = [g[0].tree for g in groups]
@@ -112,7 +114,10 @@ class PATR(Controller):
         scored = [(s, ctx.rng.random(), i) for i, s in enumerate(scores) if s is not None]
         scored.sort(reverse=True)
         n_expand = min(cfg.top_k, len(scored))
-        cap = min(cfg.max_active, runner.left(branches[0].tree))
+        tree, turn = branches[0].tree, branches[0].turn
+        # every branch still steps once (truncate), or each new one must be finishable (reserve)
+        room = len(branches) + runner.room(tree, turn) if runner.reserve else runner.left(tree)
+        cap = min(cfg.max_active, room)
         while n_expand and len(branches) + n_expand * (cfg.M - 1) > cap:
             n_expand -= 1
         expand = {i for _, _, i in scored[:n_expand]}
@@ -136,8 +141,9 @@ class PATR(Controller):
                 runner.end(b, EndReason.PRUNED_REPEAT)
             elif i in expand:
                 stats.expanded += 1
-                b.tree.nodes[b.node].info["expanded"] = cfg.M
-                out.extend(runner.fork(b, cfg.M))
+                children = runner.fork(b, cfg.M)
+                b.tree.nodes[b.node].info["expanded"] = len(children)
+                out.extend(children)
             else:
                 out.append(b)
         return out

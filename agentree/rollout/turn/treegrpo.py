@@ -25,6 +25,8 @@ reference then keeps k sampled leaves per tree (`sample_leaf`); agentree keeps t
 With `env_step_budget: N_env` (exact env steps per task) the expansion iterations go on until
 the budget is spent (L is then no limit), each drawing at most as many nodes of a task as it has
 steps left; the branches live when it runs out end with `budget` and stay out of the group.
+With `budget_reserve` a drawn node is expanded only when the unreserved budget can finish a
+branch from it (to the env's turn limit); none is cut.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class TreeGRPO(Controller):
         stats = RolloutStats()
         t0 = time.perf_counter()
         states: list[dict[int, Any]] = [{} for _ in tasks]  # node -> env snapshot, per task
-        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget, reserve=cfg.budget_reserve) as runner:
             m = cfg.M if runner.budget is None else min(cfg.M, runner.budget)
             groups = runner.start(tasks, m, fork=False)
             trees = [g[0].tree for g in groups]
@@ -121,12 +123,15 @@ class TreeGRPO(Controller):
         stats = runner.stats
         stats.expanded += len(picks)
         for k, n in picks:
-            node = tree.nodes[n]
-            node.info["expanded"] = node.info.get("expanded", 0) + 1
             if n == 0:
-                (b,) = runner.add_root_branches(tree, task, 1)
+                b = next(iter(runner.add_root_branches(tree, task, 1)), None)
             else:
                 b = runner.branch_at(tree, task, n, states[n])
+            if b is None:  # budget_reserve: the budget cannot finish a branch from there
+                stats.expanded -= 1
+                continue
+            node = tree.nodes[n]
+            node.info["expanded"] = node.info.get("expanded", 0) + 1
             owner[id(b)] = k
             out.append(b)
         return out

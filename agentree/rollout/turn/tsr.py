@@ -24,7 +24,9 @@ With `env_step_budget: N` (exact env steps per task; every candidate and look-ah
 a task searches until N steps are spent: when all of its trajectories (or its beam search) have
 ended with steps left, G new trajectories (a new beam search) start from the task, at most one
 per N steps left. Candidates the budget cuts take no step and are not chosen; branches live
-when it runs out end with `budget` and stay out of the group.
+when it runs out end with `budget` and stay out of the group. With `budget_reserve` each
+candidate and look-ahead probe reserves its steps to the env's turn limit: near the budget's
+end a branch draws fewer candidates (at least itself), and none is cut.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class TSR(Controller):
         cfg = self.config
         stats = RolloutStats()
         t0 = time.perf_counter()
-        with TurnRunner(ctx, stats, cfg.env_step_budget) as runner:
+        with TurnRunner(ctx, stats, cfg.env_step_budget, reserve=cfg.budget_reserve) as runner:
             # beam search starts from the task's root state alone (one beam of width 1)
             starts = 1 if cfg.mode == "beam" else cfg.G
             if runner.budget is not None:
@@ -181,7 +183,11 @@ class TSR(Controller):
         self, runner: TurnRunner, cands: list[Branch], task_of: dict[int, Task]
     ) -> dict[int, float]:
         """Score each live candidate by the state `depth` sampled turns after it."""
-        probes = {id(c): runner.fork(c, 2)[1] for c in cands}  # c keeps its env; a probe moves
+        probes: dict[int, Branch] = {}  # c keeps its env; a probe moves
+        for c in cands:
+            fork = runner.fork(c, 2)
+            if len(fork) > 1:  # budget_reserve may admit none: c is scored where it stands
+                probes[id(c)] = fork[1]
         live = list(probes.values())
         for _ in range(self.config.depth):
             if not live:

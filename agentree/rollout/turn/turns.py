@@ -10,6 +10,12 @@ With an env-step budget (`rollout.env_step_budget=N`) the runner counts each tas
 and `advance` never lets a task take more than N: when fewer steps are left than the task has
 branches to step, the first ones (in the order given) step and the others end with
 `EndReason.BUDGET`. Controllers ask `left(tree)` to decide what to start.
+
+With `rollout.budget_reserve` the runner itself admits new branches: each one reserves the
+steps it may take up to the env's turn limit (`Env.turn_limit()`) when it starts (`start`,
+`add_root_branches`, `fork`, `branch_at`), and gives back the rest when it ends. A request the
+unreserved budget cannot cover gets fewer branches (`branch_at`: None), so no branch is ever
+cut; `left(tree)` is then the unreserved budget.
 """
 
 from __future__ import annotations
@@ -61,13 +67,25 @@ class Branch:
 class TurnRunner:
     """Owns the envs of one rollout call; use as a context manager so they are always closed."""
 
-    def __init__(self, ctx: RolloutContext, stats: RolloutStats, budget: int | None = None) -> None:
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        stats: RolloutStats,
+        budget: int | None = None,
+        *,
+        reserve: bool = False,
+    ) -> None:
         self.ctx = ctx
         self.stats = stats
         self.budget = budget or None
         """Env steps each task may take; None: no limit."""
+        self.reserve = reserve and self.budget is not None
+        """Admit a branch only when the budget can finish it (see the module)."""
         self.spent: dict[int, int] = {}
         """id(tree) -> env steps its task has taken."""
+        self._live: dict[int, dict[int, Branch]] = {}
+        """id(tree) -> its live branches by id(), whose remaining turns are reserved."""
+        self._limit: int | None = None
         self.cut: set[int] = set()
         """id() of the branches the budget ended in the last `advance` (they took no step)."""
         self._envs: list[Env] = []
@@ -118,10 +136,47 @@ class TurnRunner:
 
     # -- the env-step budget ------------------------------------------------------------------
     def left(self, tree: Tree) -> int:
-        """Env steps `tree`'s task may still take (a large number without a budget)."""
+        """Env steps `tree`'s task may still take (a large number without a budget); with
+        `reserve`, those not reserved by its live branches."""
         if self.budget is None:
             return 1 << 62
-        return self.budget - self.spent.get(id(tree), 0)
+        left = self.budget - self.spent.get(id(tree), 0)
+        if self.reserve:
+            limit = self.turn_limit()
+            left -= sum(limit - b.turn for b in self._live.get(id(tree), {}).values())
+        return left
+
+    def turn_limit(self) -> int:
+        """The env's turn limit, which `reserve` needs (read once, from the first env)."""
+        if self._limit is None:
+            env = self._new_env()
+            self._free.append(env)
+            limit = env.turn_limit()
+            if limit is None:
+                raise ValueError(
+                    f"rollout.budget_reserve needs the env's turn limit, and "
+                    f"{type(env).__name__}.turn_limit() returns None: implement it, or leave "
+                    "budget_reserve off (branches the budget ends are then cut)"
+                )
+            if self.budget is not None and self.budget < limit:
+                raise ValueError(
+                    f"rollout.env_step_budget={self.budget} cannot finish one episode of up to "
+                    f"{limit} turns, which rollout.budget_reserve requires: raise the budget"
+                )
+            self._limit = limit
+        return self._limit
+
+    def room(self, tree: Tree, turn: int) -> int:
+        """How many new branches standing at `turn` the budget admits now (no limit without
+        `reserve`)."""
+        if not self.reserve:
+            return 1 << 62
+        return max(0, self.left(tree)) // max(1, self.turn_limit() - turn)
+
+    def _admit(self, branches: list[Branch]) -> list[Branch]:
+        for b in branches:
+            self._live.setdefault(id(b.tree), {})[id(b)] = b
+        return branches
 
     def _within_budget(
         self, branches: list[Branch], completions: list[Completion] | None
@@ -132,8 +187,8 @@ class TurnRunner:
         taken: dict[int, int] = {}
         keep: list[int] = []
         for i, b in enumerate(branches):
-            t = id(b.tree)
-            if taken.get(t, 0) < self.left(b.tree):
+            t = id(b.tree)  # steps not yet taken, reserved or not (with `reserve` none is cut)
+            if taken.get(t, 0) < self.budget - self.spent.get(t, 0):
                 taken[t] = taken.get(t, 0) + 1
                 keep.append(i)
         kept = set(keep)
@@ -150,6 +205,8 @@ class TurnRunner:
         With `fork=True` the env is reset once per task and the other branches restore its
         snapshot; with `fork=False` every branch resets its own env (flat sampling).
         """
+        if self.reserve:  # a fresh tree admits budget // limit whole episodes
+            branches_per_task = min(branches_per_task, self.budget // self.turn_limit())
         resets = [(t, i) for t in tasks for i in range(1 if fork else branches_per_task)]
         envs = [self._new_env() for _ in resets]
 
@@ -169,7 +226,7 @@ class TurnRunner:
             prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt, self.tools)
             tree.add_root(obs, prompt, {"env": info, **_key_info(key)})
             if fork:
-                root = Branch(tree, task, 0, env0, list(prompt))
+                (root,) = self._admit([Branch(tree, task, 0, env0, list(prompt))])
                 out.append(self.fork(root, branches_per_task))
                 k += 1
             else:
@@ -177,18 +234,21 @@ class TurnRunner:
                 for _ in range(branches_per_task):
                     branches.append(Branch(tree, task, 0, envs[k], list(prompt)))
                     k += 1
-                out.append(branches)
+                out.append(self._admit(branches))
         return out
 
     def add_root_branches(self, tree: Tree, task: Task, n: int) -> list[Branch]:
-        """`n` more branches at `tree`'s root, each on a freshly reset env (no fork)."""
-        envs = [self._new_env() for _ in range(n)]
+        """`n` more branches at `tree`'s root, each on a freshly reset env (no fork); fewer
+        when `reserve` admits fewer."""
+        envs = [self._new_env() for _ in range(min(n, self.room(tree, 0)))]
         self._map(lambda e: reset_task(e, task), envs)
-        return [Branch(tree, task, 0, env, list(tree.root.obs_ids)) for env in envs]
+        return self._admit([Branch(tree, task, 0, env, list(tree.root.obs_ids)) for env in envs])
 
     # -- forking -----------------------------------------------------------------------------
     def fork(self, branch: Branch, m: int) -> list[Branch]:
-        """`m` branches continuing from `branch`'s state; the first keeps its env."""
+        """`m` branches continuing from `branch`'s state; the first keeps its env. Fewer
+        when `reserve` admits fewer (`branch` itself is always the first)."""
+        m = 1 + min(m - 1, self.room(branch.tree, branch.turn))
         if m <= 1:
             return [branch]
         assert branch.env is not None
@@ -196,16 +256,18 @@ class TurnRunner:
         targets = [self._new_env() for _ in range(m - 1)]
         self._map(lambda e: e.restore(state), targets)
         self.stats.forks += m - 1
-        children = [branch]
-        for env in targets:
-            children.append(
-                replace(branch, env=env, context=list(branch.context), keys=list(branch.keys))
-            )
-        return children
+        children = [
+            replace(branch, env=env, context=list(branch.context), keys=list(branch.keys))
+            for env in targets
+        ]
+        return [branch, *self._admit(children)]
 
-    def branch_at(self, tree: Tree, task: Task, node: int, state: Any) -> Branch:
+    def branch_at(self, tree: Tree, task: Task, node: int, state: Any) -> Branch | None:
         """A new branch continuing from `node` of `tree`, on an env restored to `state` (the
-        snapshot taken when a branch stood at that node): one fork."""
+        snapshot taken when a branch stood at that node): one fork. None when `reserve`
+        admits no branch there."""
+        if self.room(tree, tree.nodes[node].turn) < 1:
+            return None
         env = self._new_env()
         env.restore(state)
         self.stats.forks += 1
@@ -213,7 +275,8 @@ class TurnRunner:
             str(n.info.get("env", {}).get("action_key", " ".join((n.action or "").split())))
             for n in tree.path(node)[1:]
         ]
-        return Branch(tree, task, node, env, tree.context_ids(node), keys)
+        (branch,) = self._admit([Branch(tree, task, node, env, tree.context_ids(node), keys)])
+        return branch
 
     # -- stepping ----------------------------------------------------------------------------
     def generate(self, branches: Sequence[Branch], **overrides: Any) -> list[Completion]:
@@ -359,6 +422,7 @@ class TurnRunner:
             node.end_reason = reason
         if reason in (EndReason.PRUNED_LOW_SCORE, EndReason.PRUNED_REPEAT):
             self.stats.pruned += 1
+        self._live.get(id(b.tree), {}).pop(id(b), None)  # its unused reservation goes back
         self.release(b)
 
     # -- scoring -----------------------------------------------------------------------------
