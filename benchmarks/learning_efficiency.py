@@ -18,7 +18,9 @@ one of flat episodes on `--calibrate` training tasks), kept in `DIR/<case>/sizin
 resumed benchmark sizes its groups the same; `--budget` and `--turns` set them by hand. The
 sizes only set how many trajectories each method runs at a time: every method also gets
 `rollout.env_step_budget=B`, so each rollout spends exactly B env steps per task (at most one
-episode fewer) however long episodes get as the policy learns. The summary still reports the
+episode fewer) however long episodes get as the policy learns; the branches live when it ends
+are cut, which leans groups towards short episodes (`--set rollout.budget_reserve=true` starts
+only what the budget can finish instead). The summary still reports the
 env steps each method drew per step, and budgets are compared on the x axis:
 `env_steps_to_grpo_final` is the cumulative env steps at which a method's seed-mean held-out
 curve first reaches flat GRPO's final value (null for every method when GRPO's seed-mean final
