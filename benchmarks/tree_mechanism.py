@@ -208,10 +208,11 @@ def measure(args: argparse.Namespace) -> None:
                     todo.append((m, t))
                     continue
                 kept = {"budget_reserve": False, **json.loads(path.read_text())["settings"]}
-                if kept != run_settings(settings[m], args):  # never mix two setups in one table
+                want = run_settings(settings[m], args)
+                if kept != want:  # never mix two setups in one table
                     raise SystemExit(
-                        f"{path} was measured with {kept}, not {run_settings(settings[m], args)}:"
-                        " give these settings another --out (or delete it to measure again)"
+                        f"{path} was measured with {kept}, not {want}: give these settings "
+                        "another --out (or delete it to measure again)"
                     )
         print(f"[{time.strftime('%H:%M:%S')}] {label} {policy}: {len(todo)} runs to do", flush=True)
         if todo:

@@ -75,12 +75,12 @@ class FlatGRPO(Controller):
         """New trajectories for the tasks whose budget has room for them (see the module)."""
         out: list[Branch] = []
         for tree, task in zip(trees, tasks, strict=True):
-            left = runner.left(tree)
             mine = [b for b in live if b.tree is tree]
-            done = lengths[id(tree)]
             if runner.reserve:  # the runner admits what the unreserved budget can finish
                 out += runner.add_root_branches(tree, task, self.config.G - len(mine))
                 continue
+            left = runner.left(tree)
+            done = lengths[id(tree)]
             if left <= 0 or not done:  # the first G run before any length is known
                 continue
             est = max(1.0, sum(done) / len(done))

@@ -120,16 +120,14 @@ class TreeGRPO(Controller):
             picks += [(k, n) for n in drawn]
         del picks[max(0, runner.left(tree)) :]  # at most one new branch per step left
         out: list[Branch] = []
-        stats = runner.stats
-        stats.expanded += len(picks)
         for k, n in picks:
             if n == 0:
                 b = next(iter(runner.add_root_branches(tree, task, 1)), None)
             else:
                 b = runner.branch_at(tree, task, n, states[n])
             if b is None:  # budget_reserve: the budget cannot finish a branch from there
-                stats.expanded -= 1
                 continue
+            runner.stats.expanded += 1
             node = tree.nodes[n]
             node.info["expanded"] = node.info.get("expanded", 0) + 1
             owner[id(b)] = k

@@ -174,8 +174,10 @@ class TurnRunner:
         return max(0, self.left(tree)) // max(1, self.turn_limit() - turn)
 
     def _admit(self, branches: list[Branch]) -> list[Branch]:
-        for b in branches:
-            self._live.setdefault(id(b.tree), {})[id(b)] = b
+        """New branches; with `reserve` their remaining turns are now reserved."""
+        if self.reserve:
+            for b in branches:
+                self._live.setdefault(id(b.tree), {})[id(b)] = b
         return branches
 
     def _within_budget(
