@@ -19,8 +19,12 @@ resumed benchmark sizes its groups the same; `--budget` and `--turns` set them b
 sizes only set how many trajectories each method runs at a time: every method also gets
 `rollout.env_step_budget=B`, so each rollout spends exactly B env steps per task (at most one
 episode fewer) however long episodes get as the policy learns; the branches live when it ends
-are cut, which leans groups towards short episodes (`--set rollout.budget_reserve=true` starts
-only what the budget can finish instead). The summary still reports the
+are cut, which leans groups towards short episodes (`--budget-reserve` starts only what the
+budget can finish instead: `rollout.budget_reserve`). Truncation is safe only where failures
+end early: on Sokoban 7x7, whose failures all run to the turn limit, it cut every failure of
+flat GRPO's groups at the calibrated budget, which then trained on successes alone. The
+summary says which rule its runs used (read from each run's saved config; runs under
+different rules are refused, not mixed), the branches cut per step, and the
 env steps each method drew per step, and budgets are compared on the x axis:
 `env_steps_to_grpo_final` is the cumulative env steps at which a method's seed-mean held-out
 curve first reaches flat GRPO's final value (null for every method when GRPO's seed-mean final
@@ -50,10 +54,11 @@ Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 "final_success_se": its standard error over seeds, "env_steps_to_grpo_final": env steps
 (tokens for Countdown) at which the seed-mean held-out curve first reaches flat GRPO's final
 mean, or null (also when GRPO did not learn: "grpo_learned": false), "pass_at_4",
-"env_steps_per_step", "forks", "wall_s", "seeds"}},
+"env_steps_per_step", "budget_cut_per_step", "forks", "wall_s", "seeds"}},
 "paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
 and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method},
-"sizing": {"budget_per_task": B, "turns": E}, "warm_start": the warm build's cache key,
+"sizing": {"budget_per_task": B, "turns": E}, "budget": {"env_step_budget": N,
+"budget_reserve": bool} as the runs' configs say, "warm_start": the warm build's cache key,
 "warm_start_sha256": the sha256 of its weights}, the PNG
 curves `DIR/<case>_curves.png`, and `DIR/<case>_details.json`
 with the per-seed curves and the walker's figure.
@@ -302,7 +307,7 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     keys = (budget,) if isinstance(budget, str) else budget
     spent, wall = {0: 0.0}, {0: 0.0}
-    total = seconds = env_steps = forks = 0.0
+    total = seconds = env_steps = forks = cut = 0.0
     steps = 0
     for r in rows:
         if "time/step_s" in r:
@@ -310,6 +315,7 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
             seconds += float(r["time/step_s"])
             env_steps += float(r.get("rollout/env_steps", 0.0))
             forks += float(r.get("rollout/forks", 0.0))
+            cut += float(r.get("rollout/budget_cut", 0.0))
             steps += 1
             spent[r["step"]], wall[r["step"]] = total, seconds
     curve: dict[str, Any] = {"step": [], "budget": [], "wall_s": [], "success": []}
@@ -324,10 +330,39 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     curve["totals"] = {
         "env_steps": env_steps,
         "forks": forks,
+        "budget_cut": cut,
         "steps": steps,
         "wall_s": seconds,
     }
     return curve
+
+
+def budget_rule(runs: list[Path]) -> dict[str, Any] | None:
+    """The env-step budget and its rule (`rollout.env_step_budget`, `rollout.budget_reserve`)
+    the runs were trained under, read from their saved configs; None when no run saved one.
+    Runs under different rules measure different things, so a mix is refused."""
+    # deferred: the config module is only needed once runs are summarised
+    from agentree.config import load_config
+
+    rules: dict[tuple[Any, bool], list[str]] = {}
+    for run in runs:
+        if (run / "config.yaml").exists():
+            rollout = load_config(str(run / "config.yaml")).rollout
+            rule = (rollout.get("env_step_budget"), bool(rollout.get("budget_reserve")))
+            rules.setdefault(rule, []).append(str(run))
+    if len(rules) > 1:
+        seen = "; ".join(
+            f"env_step_budget={b}, budget_reserve={r}: {', '.join(paths)}"
+            for (b, r), paths in rules.items()
+        )
+        raise SystemExit(
+            f"these runs were trained under different budgets and cannot be summarised "
+            f"together ({seen}); give each rule its own --out"
+        )
+    if not rules:
+        return None
+    ((budget, reserve),) = rules
+    return {"env_step_budget": budget, "budget_reserve": reserve}
 
 
 def mean_curve(curves: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -374,6 +409,7 @@ def summarise(
     case: str, methods: list[str], seeds: list[int], out: Path, baseline: float | None
 ) -> dict:
     spec = CASES[case]
+    rule = budget_rule([out / case / m / f"seed{s}" for m in methods for s in seeds])
     curves = {
         m: [read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds] for m in methods
     }
@@ -394,12 +430,15 @@ def summarise(
             "env_steps_to_grpo_final": None if target is None else first_reach(means[m], target),
             "pass_at_4": statistics.fmean(c["pass_at_k"][-1] for c in cs),
             "env_steps_per_step": sum(c["totals"]["env_steps"] for c in cs) / max(steps, 1),
+            "budget_cut_per_step": sum(c["totals"]["budget_cut"] for c in cs) / max(steps, 1),
             "env_steps": statistics.fmean(c["totals"]["env_steps"] for c in cs),
             "forks": statistics.fmean(c["totals"]["forks"] for c in cs),
             "wall_s": statistics.fmean(c["totals"]["wall_s"] for c in cs),
             "seeds": seeds,
         }
     summary: dict[str, Any] = {"methods": rows}
+    if rule is not None:
+        summary["budget"] = rule
     if grpo is not None:
         summary["grpo_learned"] = learned
     if "grpo" in curves:
@@ -518,9 +557,17 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", help="run only these methods (default: all)")
     ap.add_argument("--set", action="append", default=[], help="extra config override")
     ap.add_argument(
+        "--budget-reserve",
+        action="store_true",
+        help="start only the trajectories the env-step budget can finish (rollout.budget_reserve)"
+        " instead of cutting those live when it ends",
+    )
+    ap.add_argument(
         "--jobs", type=int, default=1, help="runs at once (each then uses one torch thread)"
     )
     args = ap.parse_args()
+    if args.budget_reserve:
+        args.set.append("rollout.budget_reserve=true")
     signal.signal(signal.SIGTERM, stop_runs)
     signal.signal(signal.SIGINT, stop_runs)
     out = Path(args.out)

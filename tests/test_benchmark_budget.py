@@ -114,6 +114,35 @@ def test_no_reach_target_when_grpo_ends_at_or_below_its_start(bench, tmp_path, m
     assert s["methods"]["patr"]["env_steps_to_grpo_final"] is None
 
 
+def test_summary_names_the_budget_rule_and_refuses_a_mix(bench, tmp_path, monkeypatch):
+    """The summary says which budget rule its runs were trained under (from their saved
+    configs) and the branches cut per step; runs under different rules are not summarised
+    together."""
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    write_run(case / "grpo" / "seed0", [40, 40], [0.2, 0.3, 0.4])
+    write_run(case / "patr" / "seed0", [30, 34], [0.2, 0.5, 0.5])
+    rows = (case / "grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(r) for r in rows]
+    for r, cut in zip([r for r in rows if "time/step_s" in r], [3, 5], strict=True):
+        r["rollout/budget_cut"] = cut
+    (case / "grpo" / "seed0" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    for method, reserve in (("grpo", "true"), ("patr", "true")):
+        cfg = load_config(
+            "frozenlake8_patr",
+            overrides=["rollout.env_step_budget=128", f"rollout.budget_reserve={reserve}"],
+        )
+        (case / method / "seed0" / "config.yaml").write_text(cfg.to_yaml())
+    s = bench.summarise("frozenlake", ["grpo", "patr"], [0], tmp_path, None)
+    assert s["budget"] == {"env_step_budget": 128, "budget_reserve": True}
+    assert s["methods"]["grpo"]["budget_cut_per_step"] == 4
+    assert s["methods"]["patr"]["budget_cut_per_step"] == 0
+    cfg = load_config("frozenlake8_patr", overrides=["rollout.env_step_budget=128"])
+    (case / "patr" / "seed0" / "config.yaml").write_text(cfg.to_yaml())
+    with pytest.raises(SystemExit, match="different budgets"):
+        bench.summarise("frozenlake", ["grpo", "patr"], [0], tmp_path, None)
+
+
 def test_calibration_measures_the_budget_from_the_warm_start_and_is_kept(
     bench, tmp_path, monkeypatch
 ):

@@ -9,8 +9,10 @@ import pytest
 from test_rollout import OPEN, CountingEnv, context, task
 from transformers import AutoTokenizer
 
+from agentree.config import load_config
 from agentree.envs import Task
 from agentree.rollout.base import make_controller
+from agentree.run.trainer import Trainer
 from agentree.scorers import make_scorer
 from agentree.tree import EndReason
 
@@ -177,3 +179,39 @@ def test_patr_restarts_below_the_same_root_while_steps_are_left(tokenizer):
     assert reasons.count("budget") == 2 and reasons.count("max_turns") == 4
     assert stats.trajectories == 4
     assert OPEN[0] == "SFFF"  # the map the hand count above relies on
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_the_trainer_says_when_the_budget_cuts_most_of_a_step(tmp_path, tiny_frozenlake, reserve):
+    """Eight 3-turn episodes started together on a map whose goal is 6 moves away (none ends
+    early) and a budget of 19 steps: truncation lets 3 finish and cuts 5, and the trainer says
+    so once; under the reserve only the 6 it can finish start, and it says nothing."""
+    cfg = load_config(
+        "frozenlake_patr",
+        select={"rollout": "grpo", "output": str(tmp_path)},
+        overrides=[
+            f"policy.path={tiny_frozenlake}",
+            "rollout.G=8",
+            "env.max_turns=3",
+            "rollout.env_step_budget=19",
+            f"rollout.budget_reserve={str(reserve).lower()}",
+            "train.tasks_per_step=1",
+            "train.trees_every=0",
+        ],
+    )
+    said: list[str] = []
+    trainer = Trainer(cfg, tmp_path, log=said.append)
+    open_field = {"desc": ["SFFF", "FFFF", "FFFF", "FFFG"]}
+    trainer.train_tasks = [Task(t.id, None, open_field) for t in trainer.train_tasks[:2]]
+    trainer._order, trainer._cursor = [], 0
+    try:
+        steps = [trainer.train_step() for _ in range(2)]
+    finally:
+        trainer.close()
+    warnings = [m for m in said if "rollout.env_step_budget cut" in m]
+    if reserve:
+        assert [m["rollout/trajectories"] for m in steps] == [6, 6]
+        assert all(m.get("rollout/budget_cut", 0) == 0 for m in steps) and warnings == []
+    else:
+        assert [(m["rollout/trajectories"], m["rollout/budget_cut"]) for m in steps] == [(3, 5)] * 2
+        assert len(warnings) == 1 and "rollout.budget_reserve=true" in warnings[0]

@@ -98,6 +98,7 @@ class Trainer:
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
         self._eval_start: dict[str, Any] | None = None
+        self._warned_cut = False
         """The loop state before the held-out evaluation due after a step: what a checkpoint
         taken until it is written holds, marked so that the resumed run evaluates again."""
         self._finished = False
@@ -243,6 +244,7 @@ class Trainer:
             )
             self._pending = (pending, self.step)
         metrics = self._rollout_metrics(trees, trajs, stats)
+        self._warn_cut(metrics)
         metrics["train/groups_dropped"] = dropped
         # groups whose rewards differ: the only ones a group-relative advantage learns from
         metrics["train/groups_informative"] = sum(len({t.reward for t in ts}) > 1 for ts in trajs)
@@ -310,6 +312,20 @@ class Trainer:
             if not tc.dynamic_sampling:
                 break
         return keep_trees, keep_trajs, stats, dropped, version
+
+    def _warn_cut(self, metrics: dict[str, float]) -> None:
+        """Said once a run: the env-step budget cut more trajectories than it let finish, so
+        the groups trained on are mostly the short episodes (on an env whose failures run to
+        the turn limit, mostly the successes)."""
+        cut, done = metrics.get("rollout/budget_cut", 0.0), metrics["rollout/trajectories"]
+        if cut > done and not self._warned_cut:
+            self._warned_cut = True
+            self.log(
+                f"warning: rollout.env_step_budget cut {cut:.0f} trajectories this step and "
+                f"let {done:.0f} finish: the groups hold mostly short episodes (where failures "
+                f"run to the turn limit, mostly successes); rollout.budget_reserve=true starts "
+                f"only what the budget can finish"
+            )
 
     def _rollout_metrics(
         self, trees: list[Tree], trajs: list[list[Trajectory]], stats: RolloutStats
