@@ -98,9 +98,9 @@ class Trainer:
         self.stop = StopSignals()
         self._step_start: dict[str, Any] | None = None
         self._eval_start: dict[str, Any] | None = None
-        self._warned_cut = False
         """The loop state before the held-out evaluation due after a step: what a checkpoint
         taken until it is written holds, marked so that the resumed run evaluates again."""
+        self._warned_cut = False  # `_warn_cut` speaks once a run
         self._finished = False
         """Restored from a checkpoint written after the run's final evaluation."""
         self._trained_s = 0.0
