@@ -92,3 +92,43 @@ def test_cleanup_removes_what_a_killed_run_left(local_records):
     assert report.containers and report.images
     assert owned_by(session) == ([], [])
     assert_no_leftovers()
+
+
+STUCK = """
+import threading
+from agentree.envs.swe.env import SWEEnv
+from agentree.envs.swe import runtime, store
+
+store.EXIT_WAIT_S = 2.0
+task = SWEEnv.load_tasks("local")[0]
+env = SWEEnv()
+env.reset(options=task.options)
+for i in range(3):
+    env.step(f"```bash\\necho {i} >> log.txt\\n```")
+    env.restore(env.snapshot())
+print(runtime.session_id(), flush=True)
+# every container removal from here on blocks for good: a request the daemon never answers, or
+# a lock an interrupt left held
+store._remove_container = lambda *a: threading.Event().wait()
+env.restore(env.snapshot())  # the replaced container is removed in the background
+raise RuntimeError("boom with Docker stuck")
+"""
+
+
+def test_a_stuck_background_docker_call_does_not_hold_up_exit(local_records):
+    """The store's background Docker calls do not keep a finished run alive: exit waits for
+    them at most `EXIT_WAIT_S`, then sweeps by label what they left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    session = proc.stdout.readline().strip()
+    assert session, proc.stderr.read()
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert proc.returncode == 1, err
+    assert "boom with Docker stuck" in err
+    assert owned_by(session) == ([], [])

@@ -37,6 +37,8 @@ SETTLE_S = 0.5
 CLIENT_TIMEOUT_S = 1800
 """HTTP timeout of the Docker client; exec output is streamed, so this bounds silence, and the
 sandbox enforces its own (shorter) command deadlines."""
+EXIT_TIMEOUT_S = 60
+"""HTTP timeout of the exit sweep's client."""
 
 
 class DockerUnavailable(RuntimeError):
@@ -134,11 +136,23 @@ def _at_exit() -> None:
             with contextlib.suppress(Exception):
                 cb()
         with contextlib.suppress(Exception):
-            cleanup(session=session_id(), stale=False)
+            _exit_sweep()
     finally:
         if previous is not None:
             with contextlib.suppress(ValueError, OSError):
                 signal.signal(signal.SIGINT, previous)
+
+
+def _exit_sweep() -> None:
+    """Remove this session's resources through a client of its own, with a shorter timeout: the
+    shared client's connections may still be held by background calls waiting on the daemon."""
+    import docker
+
+    own = docker.from_env(timeout=EXIT_TIMEOUT_S)
+    try:
+        cleanup(session=session_id(), stale=False, api=own.api)
+    finally:
+        own.close()
 
 
 # -- cleanup ---------------------------------------------------------------------------------
@@ -184,6 +198,7 @@ def cleanup(
     everything: bool = False,
     dry_run: bool = False,
     passes: int = 2,
+    api: Any = None,
 ) -> CleanupReport:
     """Remove agentree containers and snapshot images.
 
@@ -191,8 +206,9 @@ def cleanup(
     (with `everything`) all of them. Cached base and local-suite images are never removed.
     A request the owner sent just before it died can still create a container after a sweep,
     so a sweep that found something is repeated after a short pause (up to `passes` sweeps).
+    `api` is the low-level Docker client to use (the shared one by default).
     """
-    api = client().api
+    api = api if api is not None else client().api
     report = CleanupReport()
     for i in range(1 if dry_run else passes):
         if i:

@@ -11,7 +11,9 @@ Restore latency. Forking costs one restore, so the store keeps `prewarm` started
 containers per image that is in use (a spare is identical to a fresh container from its image:
 nothing ran in it). Spares hold no reference and are dropped when their image's count reaches 0.
 
-The store is thread-safe; its removals and spare starts run on a small background pool.
+The store is thread-safe; its removals and spare starts run on a few daemon threads. At exit
+the store waits for them (at most `EXIT_WAIT_S`) and the exit sweep removes by label whatever
+they left unfinished (see `runtime`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import queue
 import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +42,11 @@ SPARE_WAIT_S = 2.0
 REFILL_DELAY_S = 0.2
 """Delay before a spare taken by a restore is replaced and the replaced container removed, so
 the first command after a restore does not compete with that work in the daemon."""
+
+EXIT_WAIT_S = 30.0
+"""Longest the exit waits for background removals and spare starts before it sweeps."""
+WORKERS = 4
+"""Threads running the store's background Docker calls."""
 
 # PID 1 of every sandbox: a bash loop, because bash reaps the orphans it adopts and
 # `kill -9 -1` (which spares PID 1) then only restarts its sleep.
@@ -103,7 +111,7 @@ class ImageStore:
         self._lock = threading.RLock()
         self._spare_ready = threading.Condition(self._lock)
         self._images: dict[str, _Image] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers: _Workers | None = None
         self._pending: set[Future] = set()
         # Garbage-collector callbacks (dropped handles, unclosed sandboxes) only queue their
         # work here: they can run inside any locked region, so taking locks there could
@@ -321,12 +329,9 @@ class ImageStore:
     # background work -----------------------------------------------------------------------
     def _submit(self, fn: Any, *args: Any) -> None:
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(4, thread_name_prefix="agentree-docker")
-            try:
-                fut = self._executor.submit(fn, *args)
-            except RuntimeError:  # interpreter shutdown: the exit sweep removes everything
-                return
+            if self._workers is None:
+                self._workers = _Workers(WORKERS)
+            fut = self._workers.submit(fn, *args)
             self._pending.add(fut)
         fut.add_done_callback(self._done)
 
@@ -362,7 +367,39 @@ class ImageStore:
         """Stop prewarming and finish pending work (the exit sweep removes the rest)."""
         with self._lock:
             self._closing = True
-        self.flush(timeout=30)
+        self.flush(timeout=EXIT_WAIT_S)
+
+
+class _Workers:
+    """Daemon threads for the store's background Docker calls.
+
+    Not a `ThreadPoolExecutor`: the interpreter joins its threads at shutdown, before atexit
+    runs, so one Docker call that never returns (a daemon that stopped answering, a connection
+    pool an interrupt left locked) would keep a finished process alive and its sandboxes behind.
+    These threads end with the process; the exit sweep removes what they left unfinished.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._run, daemon=True, name=f"agentree-docker-{i}").start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
 
 def _label_changes() -> list[str]:
