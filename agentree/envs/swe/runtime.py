@@ -146,7 +146,7 @@ def _at_exit() -> None:
 def _exit_sweep() -> None:
     """Remove this session's resources through a client of its own, with a shorter timeout: the
     shared client's connections may still be held by background calls waiting on the daemon."""
-    import docker
+    import docker  # deferred: docker is the optional [swe] extra
 
     own = docker.from_env(timeout=EXIT_TIMEOUT_S)
     try:
