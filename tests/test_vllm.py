@@ -314,7 +314,9 @@ import sys
 from agentree.engines.base import SamplingParams
 from agentree.engines.vllm import VLLMEngine
 if __name__ == "__main__":
-    engine = VLLMEngine(sys.argv[1], dtype="float32")
+    # a small KV cache: the test is about the engine's processes, and it runs beside the
+    # module's engine
+    engine = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=0.05)
     print("CLIENT-READY", flush=True)
     while True:
         engine.generate([[5, 6, 7] * 20], SamplingParams(max_tokens=64, n=8))
