@@ -54,6 +54,16 @@ def _start(mode: str) -> tuple[subprocess.Popen, str]:
     return proc, session
 
 
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for the child (killed if it outlives `timeout`); its stderr."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.stderr.read()
+
+
 @pytest.mark.parametrize(
     ("mode", "sig", "code"),
     [
@@ -67,12 +77,7 @@ def test_interrupted_or_failing_run_leaves_nothing(local_records, mode, sig, cod
     if sig is not None:
         time.sleep(0.3)
         proc.send_signal(sig)
-    try:
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    err = _finish(proc, timeout=120)
     assert proc.returncode == code, err
     if mode == "raise":
         assert "boom mid-episode" in err
@@ -123,12 +128,7 @@ def test_a_stuck_background_docker_call_does_not_hold_up_exit(local_records):
     )
     session = proc.stdout.readline().strip()
     assert session, proc.stderr.read()
-    try:
-        proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+    err = _finish(proc, timeout=90)
     assert proc.returncode == 1, err
     assert "boom with Docker stuck" in err
     assert owned_by(session) == ([], [])
