@@ -297,7 +297,9 @@ def test_skywork_prm_on_vllm_matches_transformers(tmp_path_factory) -> None:
     expected = ref.score(None, branches)
     ref.close()
     before = _engine_pids()
-    prm = PRMScorer(PRMConfig(model=path, backend="vllm", dtype="float32"))
+    # a small KV cache: the PRM's engine starts beside the module's engine
+    small = {"gpu_memory_utilization": 0.05}
+    prm = PRMScorer(PRMConfig(model=path, backend="vllm", dtype="float32", vllm=small))
     try:
         got = prm.score(None, branches)
     finally:
