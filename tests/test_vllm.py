@@ -34,6 +34,9 @@ pytestmark = pytest.mark.vllm
 TOL = 1e-4
 """Log-prob agreement, float32 on both sides (vLLM's CPU kernels sum in another order)."""
 
+# a second engine started beside the module's takes a small KV cache (a share of host memory)
+SECOND_ENGINE_MEMORY = 0.05
+
 SMALL = [
     "engine.backend=vllm",
     "train.tasks_per_step=2",
@@ -297,8 +300,7 @@ def test_skywork_prm_on_vllm_matches_transformers(tmp_path_factory) -> None:
     expected = ref.score(None, branches)
     ref.close()
     before = _engine_pids()
-    # a small KV cache: the PRM's engine starts beside the module's engine
-    small = {"gpu_memory_utilization": 0.05}
+    small = {"gpu_memory_utilization": SECOND_ENGINE_MEMORY}
     prm = PRMScorer(PRMConfig(model=path, backend="vllm", dtype="float32", vllm=small))
     try:
         got = prm.score(None, branches)
@@ -316,9 +318,7 @@ import sys
 from agentree.engines.base import SamplingParams
 from agentree.engines.vllm import VLLMEngine
 if __name__ == "__main__":
-    # a small KV cache: the test is about the engine's processes, and it runs beside the
-    # module's engine
-    engine = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=0.05)
+    engine = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=float(sys.argv[2]))
     print("CLIENT-READY", flush=True)
     while True:
         engine.generate([[5, 6, 7] * 20], SamplingParams(max_tokens=64, n=8))
@@ -339,7 +339,7 @@ def test_a_dead_client_leaves_no_engine_process(tiny_frozenlake, tmp_path, how) 
     log = tmp_path / "client.log"  # a file, not a pipe: nobody has to keep reading it
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", CLIENT, str(tiny_frozenlake)],
+            [sys.executable, "-c", CLIENT, str(tiny_frozenlake), str(SECOND_ENGINE_MEMORY)],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal would give it
