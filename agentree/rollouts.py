@@ -32,6 +32,7 @@ from agentree.envs.base import Env, Task, env_class
 from agentree.policy import hf_engine
 from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.scorers.base import NoScorer, Scorer, make_scorer, scorer_class
+from agentree.tools import tool_schemas
 from agentree.tree import Tree
 
 
@@ -84,6 +85,9 @@ class RolloutParts:
     controller: Controller
     scorer: Scorer = field(default_factory=NoScorer)
     env_stop: tuple[str, ...] = ()
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """The env's tool schemas (`tool_schemas(env.tools())`); empty: free-text actions. Like
+    `env_stop`, read once from a probe env when the parts are built."""
 
     @property
     def make_env(self) -> Callable[[], Env]:
@@ -117,6 +121,7 @@ def rollout_parts(
     probe = parts.make_env()  # envs construct cheaply; resources come with reset()
     try:
         parts.env_stop = tuple(probe.stop_sequences)
+        parts.tools = tool_schemas(probe.tools())
     finally:
         probe.close()
     return parts
@@ -161,6 +166,7 @@ class LocalRollouts:
             scorer=self.scorer,
             max_context=min(self.cfg.engine.max_context, self.engine.max_model_len),
             history=self.history,
+            tools=self.parts.tools,
             rng=self.rng,
             env_workers=self.cfg.engine.env_workers,
             progress=progress,

@@ -285,6 +285,11 @@ class RecordingEngine(ScriptedEngine):
         return outs
 
 
+def move_tools() -> list[dict]:
+    """The schemas a tool-mode grid env's rollouts carry in their context."""
+    return tool_schemas(make_env("frozenlake", action_format="tools").tools())
+
+
 def _tool_rollout(tokenizer, reasoning: bool):
     chat = ChatFormat(tokenizer, "hermes")
     engine = RecordingEngine(tokenizer, _moves(reasoning))
@@ -293,6 +298,7 @@ def _tool_rollout(tokenizer, reasoning: bool):
         chat=chat,
         sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
         env_factory=lambda: make_env("frozenlake", action_format="tools", max_turns=8),
+        tools=move_tools(),
         scorer=make_scorer("none"),
         rng=random.Random(0),
     )
@@ -377,6 +383,7 @@ def test_token_controllers_render_the_tools_and_hand_the_env_parsed_calls(
             chat=chat,
             sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
             env_factory=lambda: make_env("frozenlake", action_format="tools", max_turns=8),
+            tools=move_tools(),
             scorer=make_scorer("none"),
             rng=random.Random(0),
         )
@@ -520,6 +527,7 @@ def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_toke
         chat=chat,
         sampling=SamplingParams(max_tokens=64, stop_token_ids=chat.stop_token_ids),
         env_factory=lambda: FrozenLakeEnv(action_format="tools"),
+        tools=move_tools(),
         scorer=make_scorer("none"),
         rng=random.Random(0),
     )

@@ -112,7 +112,8 @@ class Env(gymnasium.Env):
         parsed in the policy's call format and `.error` when the turn is not a well-formed call;
         `agentree.tools.as_tool_action` parses plain text from scripted policies. An info key
         `tool_results` (one string per call) delivers the results as one tool message each;
-        otherwise the observation is one tool message.
+        otherwise the observation is one tool message. Read once per run from a freshly built
+        env (`agentree.rollouts.rollout_parts`), so they follow the env's config, not a task.
         """
         return []
 

@@ -129,6 +129,10 @@ class RolloutContext:
     history: int | None = None
     """History window (`engine.history`): each turn's prompt holds the task and the last
     `history` turns; None keeps every turn (append-only)."""
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """The env's tool schemas (`agentree.tools.tool_schemas(env.tools())`, read once when the
+    rollouts are built): prompts carry them and turns are parsed as calls against them. Empty:
+    free-text actions. A context for an env with tools must pass them."""
     rng: random.Random = field(default_factory=random.Random)
     env_workers: int = 8
     """Threads stepping envs concurrently (Docker execs are I/O bound)."""

@@ -22,7 +22,6 @@ from typing import Any
 
 from agentree.envs.base import Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats, call_info
-from agentree.tools import tool_schemas
 from agentree.tree import PRUNED, EndReason, Trajectory, Tree
 
 
@@ -44,7 +43,7 @@ def start_trees(tasks: Sequence[Task], ctx: RolloutContext) -> list[Root]:
     try:
         for task in tasks:
             obs, info = reset_task(env, task)
-            prompt = ctx.chat.prompt_ids(obs, env.system_prompt, tool_schemas(env.tools()))
+            prompt = ctx.chat.prompt_ids(obs, env.system_prompt, ctx.tools)
             tree = Tree(task.id, task.to_dict())
             tree.add_root(obs, prompt, {"env": info})
             max_new = min(ctx.sampling.max_tokens, ctx.max_context - len(prompt))
@@ -160,7 +159,6 @@ def step_leaves(
     """
     env = ctx.env_factory()
     try:
-        tools = tool_schemas(env.tools())
         for r in roots:
             for node in r.tree.leaves():
                 stepped = node.end_reason is None or (prune_too and node.end_reason in PRUNED)
@@ -168,7 +166,7 @@ def step_leaves(
                     continue
                 text = ctx.chat.decode_action(response_ids(r.tree, node.id))
                 # an env with tools gets the calls parsed in the policy's format, as a turn does
-                action = ctx.chat.parse_action(text, tools)
+                action = ctx.chat.parse_action(text, ctx.tools)
                 node.info.update(call_info(action))
                 try:
                     env.reset(seed=r.task.seed, options=r.task.options)

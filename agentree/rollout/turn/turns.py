@@ -31,7 +31,7 @@ from agentree.engines.base import Completion
 from agentree.envs.base import Env, ScriptedPolicy, Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats, call_info
 from agentree.scorers.base import Score
-from agentree.tools import ToolAction, tool_schemas
+from agentree.tools import ToolAction
 from agentree.tree import EndReason, Tree
 
 
@@ -90,8 +90,8 @@ class TurnRunner:
         """id() of the branches the budget ended in the last `advance` (they took no step)."""
         self._envs: list[Env] = []
         self._free: list[Env] = []
-        self.tools: list[dict[str, Any]] = []
-        """The envs' tool schemas (one factory, one tool set); empty: free-text actions."""
+        self.tools = ctx.tools
+        """The envs' tool schemas (`RolloutContext.tools`); empty: free-text actions."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, ctx.env_workers))
 
     def __enter__(self) -> TurnRunner:
@@ -118,8 +118,6 @@ class TurnRunner:
         if self._free:
             return self._free.pop()
         env = self.ctx.env_factory()
-        if not self._envs:
-            self.tools = tool_schemas(env.tools())
         self._envs.append(env)
         return env
 
