@@ -90,8 +90,6 @@ class TurnRunner:
         """id() of the branches the budget ended in the last `advance` (they took no step)."""
         self._envs: list[Env] = []
         self._free: list[Env] = []
-        self.tools = ctx.tools
-        """The envs' tool schemas (`RolloutContext.tools`); empty: free-text actions."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, ctx.env_workers))
 
     def __enter__(self) -> TurnRunner:
@@ -223,7 +221,7 @@ class TurnRunner:
             if self.ctx.history is not None:  # every turn's prompt comes from the window
                 tree.meta["history"] = self.ctx.history
             env0 = envs[k]
-            prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt, self.tools)
+            prompt = self.ctx.chat.prompt_ids(obs, env0.system_prompt, self.ctx.tools)
             tree.add_root(obs, prompt, {"env": info, **_key_info(key)})
             if fork:
                 (root,) = self._admit([Branch(tree, task, 0, env0, list(prompt))])
@@ -334,7 +332,7 @@ class TurnRunner:
             completions = self.generate(live)
         chat = self.ctx.chat
         actions = [
-            chat.parse_action(chat.decode_action(c.token_ids), self.tools) for c in completions
+            chat.parse_action(chat.decode_action(c.token_ids), self.ctx.tools) for c in completions
         ]
 
         def step(args: tuple[Branch, str]) -> tuple[Any, float]:
