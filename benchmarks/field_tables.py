@@ -6,9 +6,10 @@
 Reads the summary and the per-seed curves `benchmarks/learning_efficiency.py` wrote and prints
 three tables: per method the seed-mean held-out success at every tenth step, the final success
 with its standard error, env steps per step, env steps to flat GRPO's final, pass@4, forks and
-train wall time per run; PATR minus each method per seed; and each method's seed-mean success
-at equal env steps (interpolated linearly between evaluations, at quarters of the smallest
-budget any method spent).
+train wall time per run; PATR minus each method per seed, in final success and (where the
+summary has it) in held-out success averaged over the evaluations after step 0; and each
+method's seed-mean success at equal env steps (interpolated linearly between evaluations, at
+quarters of the smallest budget any method spent).
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ def main_table(summary: dict[str, Any], details: dict[str, Any]) -> list[str]:
     return out
 
 
-def paired_table(summary: dict[str, Any]) -> list[str]:
+def paired_table(summary: dict[str, Any], measure: str = "") -> list[str]:
+    """PATR minus each method per seed: in final success, or with `measure="_mean_eval"` in
+    each run's held-out success averaged over its evaluations after step 0."""
     out = [
         "| PATR − | per-seed differences (points) | mean ± SE | PATR wins / ties / losses |",
         "|---|---|---|---|",
     ]
-    for m, p in summary.get("paired_patr_vs", {}).items():
+    for m, p in summary.get("paired_patr_vs" + measure, {}).items():
         diffs = ", ".join(f"{100 * d:+.1f}".replace("-", "−") for d in p["diffs"])
         mu = f"{100 * p['mean']:+.1f}".replace("-", "−")
         se = f"{100 * p['se']:.1f}" if p["se"] is not None else "-"
@@ -115,7 +118,10 @@ def main() -> None:
     name = "summary.json" if args.case == "frozenlake" else f"{args.case}_summary.json"
     summary = json.loads((args.out / name).read_text())
     details = json.loads((args.out / f"{args.case}_details.json").read_text())
-    for table in (main_table(summary, details), paired_table(summary)):
+    tables = [main_table(summary, details), paired_table(summary)]
+    if "paired_patr_vs_mean_eval" in summary:  # summaries written before it lack the area
+        tables.append(paired_table(summary, "_mean_eval"))
+    for table in tables:
         print("\n".join(table), end="\n\n")
     print("\n".join(equal_budget_table(details)))
 

@@ -54,9 +54,13 @@ Writes `DIR/summary.json` (FrozenLake; `DIR/<case>_summary.json` otherwise):
 "final_success_se": its standard error over seeds, "env_steps_to_grpo_final": env steps
 (tokens for Countdown) at which the seed-mean held-out curve first reaches flat GRPO's final
 mean, or null (also when GRPO did not learn: "grpo_learned": false), "pass_at_4",
-"env_steps_per_step", "budget_cut_per_step", "forks", "wall_s", "seeds"}},
-"paired_vs_grpo": {name: per-seed differences in final success, their mean, standard error
-and wins/ties/losses}, "paired_patr_vs": {name: the same for PATR minus that method},
+"mean_eval_success": mean over seeds of each run's held-out success averaged over its
+evaluations after step 0 (the area under its curve; `--area-every K` keeps those at multiples
+of K, listed in "area_steps"), "mean_eval_success_se", "env_steps_per_step",
+"budget_cut_per_step", "forks", "wall_s", "seeds"}}, "paired_vs_grpo": {name: per-seed
+differences in final success, their mean, standard error and wins/ties/losses},
+"paired_patr_vs": {name: the same for PATR minus that method}, "paired_vs_grpo_mean_eval" and
+"paired_patr_vs_mean_eval": the same for the area,
 "sizing": {"budget_per_task": B, "turns": E}, "budget": {"env_step_budget": N,
 "budget_reserve": bool} as the runs' configs say, "warm_start": the warm build's cache key,
 "warm_start_sha256": the sha256 of its weights}, the PNG
@@ -405,8 +409,29 @@ def paired(a: list[float], b: list[float]) -> dict[str, Any]:
     }
 
 
+def area_steps(curve: dict[str, Any], every: int | None) -> list[int]:
+    """The evaluations a run's area is taken over: those after step 0 whose step is a multiple
+    of `every` (all of them when None)."""
+    steps = [s for s in curve["step"] if s > 0 and (every is None or s % every == 0)]
+    if not steps:
+        raise SystemExit(f"no held-out evaluation after step 0 at a multiple of {every}")
+    return steps
+
+
+def mean_eval(curve: dict[str, Any], every: int | None) -> float:
+    """A run's held-out success averaged over its evaluations after step 0 (`area_steps`): the
+    area under its curve, which counts how early a method learns as well as where it ends."""
+    at = dict(zip(curve["step"], curve["success"], strict=True))
+    return statistics.fmean(at[s] for s in area_steps(curve, every))
+
+
 def summarise(
-    case: str, methods: list[str], seeds: list[int], out: Path, baseline: float | None
+    case: str,
+    methods: list[str],
+    seeds: list[int],
+    out: Path,
+    baseline: float | None,
+    area_every: int | None = None,
 ) -> dict:
     spec = CASES[case]
     rule = budget_rule([out / case / m / f"seed{s}" for m in methods for s in seeds])
@@ -423,10 +448,13 @@ def summarise(
     for m, cs in curves.items():
         finals = [c["success"][-1] for c in cs]
         mu, se = mean_se(finals)
+        area, area_se = mean_se([mean_eval(c, area_every) for c in cs])
         steps = sum(c["totals"]["steps"] for c in cs)
         rows[m] = {
             "final_success": mu,
             "final_success_se": se,
+            "mean_eval_success": area,
+            "mean_eval_success_se": area_se,
             "env_steps_to_grpo_final": None if target is None else first_reach(means[m], target),
             "pass_at_4": statistics.fmean(c["pass_at_k"][-1] for c in cs),
             "env_steps_per_step": sum(c["totals"]["env_steps"] for c in cs) / max(steps, 1),
@@ -437,24 +465,23 @@ def summarise(
             "seeds": seeds,
         }
     summary: dict[str, Any] = {"methods": rows}
+    summary["area_steps"] = area_steps(next(iter(curves.values()))[0], area_every)
     if rule is not None:
         summary["budget"] = rule
     if grpo is not None:
         summary["grpo_learned"] = learned
-    if "grpo" in curves:
-        grpo = [c["success"][-1] for c in curves["grpo"]]
-        summary["paired_vs_grpo"] = {
-            m: paired([c["success"][-1] for c in cs], grpo)
-            for m, cs in curves.items()
-            if m != "grpo"
-        }
-    if "patr" in curves:  # the method this project proposes, against each of the others
-        patr = [c["success"][-1] for c in curves["patr"]]
-        summary["paired_patr_vs"] = {
-            m: paired(patr, [c["success"][-1] for c in cs])
-            for m, cs in curves.items()
-            if m != "patr"
-        }
+    # per-seed differences, of the final success and of the area (`mean_eval`)
+    measures = {"": lambda c: c["success"][-1], "_mean_eval": lambda c: mean_eval(c, area_every)}
+    for suffix, measure in measures.items():
+        of = {m: [measure(c) for c in cs] for m, cs in curves.items()}
+        if "grpo" in of:
+            summary["paired_vs_grpo" + suffix] = {
+                m: paired(xs, of["grpo"]) for m, xs in of.items() if m != "grpo"
+            }
+        if "patr" in of:  # the method this project proposes, against each of the others
+            summary["paired_patr_vs" + suffix] = {
+                m: paired(of["patr"], xs) for m, xs in of.items() if m != "patr"
+            }
     details = {
         "seeds": seeds,
         "grpo_final": target,
@@ -563,6 +590,12 @@ def main() -> None:
         " instead of cutting those live when it ends",
     )
     ap.add_argument(
+        "--area-every",
+        type=int,
+        help="take each run's mean held-out success (its area) over the evaluations after"
+        " step 0 at multiples of this step (default: all of them)",
+    )
+    ap.add_argument(
         "--jobs", type=int, default=1, help="runs at once (each then uses one torch thread)"
     )
     args = ap.parse_args()
@@ -590,7 +623,7 @@ def main() -> None:
             for done in [pool.submit(run_one, case, m, s, out, args) for m, s in runs]:
                 done.result()
         baseline = walker_baseline(case, args.seeds, args)
-        summary = summarise(case, methods, args.seeds, out, baseline)
+        summary = summarise(case, methods, args.seeds, out, baseline, args.area_every)
         if "methods" not in CASES[case]:
             budget, turns = sizing_of(case, args)
             summary["sizing"] = {"budget_per_task": budget, "turns": turns}

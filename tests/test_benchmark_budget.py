@@ -101,6 +101,33 @@ def test_summary_reports_actual_env_steps_and_reach(bench, tmp_path, monkeypatch
     assert s["grpo_learned"] is True
 
 
+def test_area_is_the_mean_held_out_success_after_step_0(bench, tmp_path, monkeypatch):
+    """Each run's area is its held-out success averaged over the evaluations after step 0 (at
+    multiples of `area_every` when given); methods are compared on it per seed, as on finals."""
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    write_run(case / "grpo" / "seed0", [40, 40, 40], [0.2, 0.2, 0.3, 0.5])
+    write_run(case / "grpo" / "seed1", [40, 40, 40], [0.2, 0.1, 0.4, 0.4])
+    write_run(case / "patr" / "seed0", [30, 30, 30], [0.2, 0.4, 0.5, 0.5])
+    write_run(case / "patr" / "seed1", [30, 30, 30], [0.2, 0.2, 0.3, 0.4])
+    s = bench.summarise("frozenlake", ["grpo", "patr"], [0, 1], tmp_path, None)
+    assert s["area_steps"] == [1, 2, 3]
+    # GRPO: (0.2 + 0.3 + 0.5) / 3 = 1/3 and (0.1 + 0.4 + 0.4) / 3 = 0.3; PATR: 14/30 and 0.3
+    assert s["methods"]["grpo"]["mean_eval_success"] == pytest.approx((1 / 3 + 0.3) / 2)
+    assert s["methods"]["patr"]["mean_eval_success"] == pytest.approx((14 / 30 + 0.3) / 2)
+    area = s["paired_patr_vs_mean_eval"]["grpo"]
+    assert area["diffs"] == pytest.approx([0.4 / 3, 0.0])
+    assert (area["wins"], area["ties"], area["losses"]) == (1, 1, 0)
+    assert s["paired_vs_grpo_mean_eval"]["patr"]["diffs"] == pytest.approx([0.4 / 3, 0.0])
+    # the finals tie on both seeds; only the area tells seed 0's earlier learning apart
+    assert s["paired_patr_vs"]["grpo"]["diffs"] == pytest.approx([0.0, 0.0])
+    s = bench.summarise("frozenlake", ["grpo", "patr"], [0, 1], tmp_path, None, area_every=2)
+    assert s["area_steps"] == [2]
+    assert s["paired_patr_vs_mean_eval"]["grpo"]["diffs"] == pytest.approx([0.2, -0.1])
+    with pytest.raises(SystemExit, match="no held-out evaluation"):
+        bench.summarise("frozenlake", ["grpo", "patr"], [0, 1], tmp_path, None, area_every=5)
+
+
 def test_no_reach_target_when_grpo_ends_at_or_below_its_start(bench, tmp_path, monkeypatch):
     """A GRPO final no higher than the shared start is met at 0 env steps by every curve: the
     reach figure is then null for every method, and the summary says GRPO did not learn."""
@@ -239,6 +266,9 @@ def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
     assert rows[3].startswith("| PATR | 20.0 | 50.0 ± - | 32 | 30 |")
     assert rows[-1].startswith("| random-valid-move walker | 10.0% |")
     assert tables.paired_table(summary)[2] == "| flat GRPO | +10.0 | +10.0 ± - | 1 / 0 / 0 |"
+    # the area: PATR (0.5 + 0.5) / 2 against GRPO (0.3 + 0.4) / 2
+    area = tables.paired_table(summary, "_mean_eval")[2]
+    assert area == "| flat GRPO | +15.0 | +15.0 ± - | 1 / 0 / 0 |"
     # equal env steps, quarters of PATR's 64: at 16 GRPO has 0.2 + 0.1 x 16 / 40, PATR
     # 0.2 + 0.3 x 16 / 30
     assert tables.equal_budget_table(details)[2:] == [
