@@ -445,10 +445,12 @@ def summarise(
     learned = grpo is not None and grpo["success"][-1] > grpo["success"][0] + 1e-9
     target = grpo["success"][-1] if learned else None
     rows: dict[str, Any] = {}
+    # each run's final success and its area (`mean_eval`), compared per seed below
+    finals = {m: [c["success"][-1] for c in cs] for m, cs in curves.items()}
+    areas = {m: [mean_eval(c, area_every) for c in cs] for m, cs in curves.items()}
     for m, cs in curves.items():
-        finals = [c["success"][-1] for c in cs]
-        mu, se = mean_se(finals)
-        area, area_se = mean_se([mean_eval(c, area_every) for c in cs])
+        mu, se = mean_se(finals[m])
+        area, area_se = mean_se(areas[m])
         steps = sum(c["totals"]["steps"] for c in cs)
         rows[m] = {
             "final_success": mu,
@@ -470,10 +472,7 @@ def summarise(
         summary["budget"] = rule
     if grpo is not None:
         summary["grpo_learned"] = learned
-    # per-seed differences, of the final success and of the area (`mean_eval`)
-    measures = {"": lambda c: c["success"][-1], "_mean_eval": lambda c: mean_eval(c, area_every)}
-    for suffix, measure in measures.items():
-        of = {m: [measure(c) for c in cs] for m, cs in curves.items()}
+    for suffix, of in {"": finals, "_mean_eval": areas}.items():
         if "grpo" in of:
             summary["paired_vs_grpo" + suffix] = {
                 m: paired(xs, of["grpo"]) for m, xs in of.items() if m != "grpo"
