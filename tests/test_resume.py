@@ -211,6 +211,12 @@ def test_kill_and_resume(tmp_path, small_warm, capsys, sig, at, step, resume_fro
     assert (run / "config.yaml").read_text() == config_before
     state = torch.load(latest_checkpoint(run) / "trainer_state.pt", weights_only=False)
     assert state["step"] == STEPS
+    # the summary counts the whole run's training, the steps of the stopped process included
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary.get("resumed_at_step") == resume_from
+    step_s = sum(r["time/step_s"] for r in rows if "train/loss" in r)
+    assert summary["trained_s"] == round(state["trained_s"], 1)
+    assert summary["trained_s"] >= round(step_s, 1) - 0.1, (summary, step_s)
 
 
 def test_latest_pointer_missing_target_falls_back(tmp_path):

@@ -242,6 +242,7 @@ def train_entry(cfg: Any, resume: bool) -> int:
                 "to train further"
             )
             return 0
+        resumed_at = trainer.step if ckpt is not None else None
         if ckpt is not None:
             console.print(f"resuming from step {trainer.step} (checkpoint {ckpt})")
         elif resume:
@@ -301,7 +302,14 @@ def train_entry(cfg: Any, resume: bool) -> int:
     if rank > 0:
         return 0
     sha256 = trainer.rt.policy_sha256 if trainer.rt is not None else None
-    summary = run_summary(cfg, history, wall_s=time.perf_counter() - t0, policy_sha256=sha256)
+    summary = run_summary(
+        cfg,
+        history,
+        wall_s=time.perf_counter() - t0,
+        trained_s=trainer.trained_s,
+        resumed_at_step=resumed_at,
+        policy_sha256=sha256,
+    )
     before, after = summary["eval_before"], summary["eval_after"]
     line = f"held-out success rate: {100 * after:.1f}%"
     if before is not None:
@@ -309,7 +317,13 @@ def train_entry(cfg: Any, resume: bool) -> int:
             f"held-out success rate: {100 * before:.1f}% -> {100 * after:.1f}% "
             f"({100 * (after - before):+.1f} points)"
         )
-    console.print(f"[bold green]{line}[/] in {summary['wall_s']:.0f}s; run directory {run_dir}")
+    took = f"in {summary['wall_s']:.0f}s"
+    if resumed_at:
+        took += (
+            f" since resuming at step {resumed_at} "
+            f"({summary['trained_s'] / 60:.1f} min of training in all)"
+        )
+    console.print(f"[bold green]{line}[/] {took}; run directory {run_dir}")
     _print_action_format(console, *actions)
     if "walker_success" in summary:
         walker = summary["walker_success"]

@@ -1,7 +1,12 @@
 """What a finished training run reports, and writes to `RUN/summary.json`: held-out success
 before and after training, the weights it started from (sha256: one recipe has built
-different weights on different machines), the wall time, and the scripted walker's success on
-the same held-out tasks, the reference a curve is read against (where the env has a walker)."""
+different weights on different machines), the times, and the scripted walker's success on the
+same held-out tasks, the reference a curve is read against (where the env has a walker).
+
+Two times: `wall_s` is this process's, from start to summary (evaluations included);
+`trained_s` is the whole run's training, steps and checkpoints, summed over every process that
+trained it (it travels in the checkpoints), so a run stopped and resumed reports what it cost
+in all. A resumed run also says the step it resumed at (`resumed_at_step`)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ def run_summary(
     history: dict[str, Any],
     *,
     wall_s: float,
+    trained_s: float | None = None,
+    resumed_at_step: int | None = None,
     policy_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The summary of a run whose `Trainer.fit` returned `history`."""
@@ -27,6 +34,10 @@ def run_summary(
         "eval_after": history["eval_after"]["eval/success_rate"],
         "wall_s": round(wall_s, 1),
     }
+    if trained_s is not None:
+        summary["trained_s"] = round(trained_s, 1)
+    if resumed_at_step:
+        summary["resumed_at_step"] = resumed_at_step
     if policy_sha256:
         summary["policy_sha256"] = policy_sha256
     walker = walker_baseline(cfg)

@@ -417,6 +417,12 @@ class Trainer:
         }
 
     @property
+    def trained_s(self) -> float:
+        """Seconds spent in training steps and checkpoints over the whole run, every process
+        that resumed it included (evaluations not counted)."""
+        return self._trained_s
+
+    @property
     def complete(self) -> bool:
         """Resumed from the final checkpoint of a run that trained all its steps."""
         return self._finished and self.step >= self.cfg.train.steps
