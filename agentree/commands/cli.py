@@ -318,7 +318,7 @@ def train_entry(cfg: Any, resume: bool) -> int:
             f"({100 * (after - before):+.1f} points)"
         )
     took = f"in {summary['wall_s']:.0f}s"
-    if resumed_at:
+    if resumed_at is not None:
         took += (
             f" since resuming at step {resumed_at} "
             f"({summary['trained_s'] / 60:.1f} min of training in all)"

@@ -36,7 +36,7 @@ def run_summary(
     }
     if trained_s is not None:
         summary["trained_s"] = round(trained_s, 1)
-    if resumed_at_step:
+    if resumed_at_step is not None:  # step 0 too: a stop during the first evaluation
         summary["resumed_at_step"] = resumed_at_step
     if policy_sha256:
         summary["policy_sha256"] = policy_sha256
