@@ -5,8 +5,9 @@ any other thread each of these does nothing.
 
 - `StopSignals`: a training run's. SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send
   before killing a job) both raise `KeyboardInterrupt`, so the trainer checkpoints either way.
-  While a step's update is running the signal is held until the step is complete: a checkpoint
-  then never holds weights that are half-way through an update.
+  From a step's first optimiser step to the end of the step the signal is held: a checkpoint
+  then never holds weights that are half-way through an update. Before it (the rollout, the
+  log-probs and gradients of a single-process update) the stop is honoured at once.
 - `interrupt_on_sigterm`: SIGTERM raises `KeyboardInterrupt` while a build or a fine-tune runs,
   so `kill` cleans up or keeps what Ctrl-C does.
 - `exit_on_sigterm`: SIGTERM raises `SystemExit` (so atexit runs) where nobody else handles it;

@@ -38,7 +38,7 @@ Every (method, seed) is an ordinary `agentree train` run in a fresh process unde
 unfinished one continues with `--resume` (its saved config, whatever the flags now say) from
 the checkpoint it wrote when the benchmark was stopped (Ctrl-C or SIGTERM; from the start if
 it has none), drawing what it would have drawn uninterrupted, so an interrupted benchmark
-resumes where it stopped.
+resumes where it stopped. A run's console output, every segment's, is `seed<N>.log` beside it.
 Seeds change the training and held-out maps and the sampling; the warm start is the same
 build for every seed, so per-seed results pair up across methods.
 
@@ -265,18 +265,20 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
     env = dict(os.environ)
     if args.jobs > 1:  # parallel runs share the cores: one thread each instead of oversubscribing
         env["OMP_NUM_THREADS"] = "1"
+    run.parent.mkdir(parents=True, exist_ok=True)
     with _LIVE_LOCK:  # started under the lock, so a stopping benchmark starts no new run
         if _STOPPING.is_set():
             raise RuntimeError("the benchmark is stopping")
         print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
-        _LIVE.add(proc)
+        with open(run.with_suffix(".log"), "a") as log:  # its console output, every segment's
+            proc = subprocess.Popen(cmd, stdout=log, env=env)
+        _LIVE[proc] = run
     with proc:
         try:
             rc = proc.wait()
         finally:
             with _LIVE_LOCK:
-                _LIVE.discard(proc)
+                _LIVE.pop(proc, None)
     if rc != 0:
         raise subprocess.CalledProcessError(rc, cmd)
     return run
@@ -284,23 +286,31 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
 
 # The runs in flight. A benchmark stopped by Ctrl-C or SIGTERM stops them and waits for them to
 # exit, so that a resumed benchmark never restarts a run whose old process still writes to it.
-_LIVE: set[subprocess.Popen] = set()
+_LIVE: dict[subprocess.Popen, Path] = {}
 _LIVE_LOCK = threading.Lock()
 _STOPPING = threading.Event()
+STOP_GRACE_S = 120
+"""How long a stopped run may take to checkpoint. A run honours SIGTERM within seconds unless
+it is inside an optimiser step or a checkpoint write; one still running after this is killed."""
 
 
 def stop_runs(signum: int, _frame: Any) -> None:
     with _LIVE_LOCK:
         _STOPPING.set()
-        live = list(_LIVE)
+        live = dict(_LIVE)
     for proc in live:
         proc.send_signal(signal.SIGTERM)
-    for proc in live:
+    for proc, run in live.items():
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            print(
+                f"{run} did not checkpoint within {STOP_GRACE_S} s of SIGTERM and was killed; "
+                f"it resumes from its last checkpoint (see {run.with_suffix('.log')})",
+                flush=True,
+            )
     print(f"stopped {len(live)} run(s); run the same command again to resume", flush=True)
     os._exit(128 + signum)
 

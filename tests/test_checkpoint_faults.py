@@ -1,11 +1,14 @@
 """Checkpoints that survive a crash while saving, and resumes that are exact wherever the run
 stopped: a checkpoint cut short at random byte offsets falls back to the newest complete one,
-and a stop during the initial (step-0) evaluation resumes to the uninterrupted run's rows."""
+and a stop during the initial (step-0) evaluation, or during an update before its first
+optimiser step, resumes to the uninterrupted run's rows."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -124,12 +127,9 @@ def test_a_checkpoint_cut_short_falls_back_to_the_newest_complete_one(
         assert torch.equal(v, final[k]), k
 
 
-def test_a_stop_during_the_initial_evaluation_resumes_exactly(
-    tmp_path, tiny_frozenlake, monkeypatch
-):
-    """Ctrl-C at the end of the step-0 evaluation (every sample drawn, the row not written):
-    the checkpoint holds the state from before it, the resumed run evaluates step 0 again, and
-    its rows and final weights equal the uninterrupted run's."""
+def two_step_runs(tmp_path: Path) -> tuple[Trainer, dict[str, torch.Tensor]]:
+    """Run `a` trained uninterrupted for two steps (its final weights returned) and run `b`,
+    the same run, not started yet."""
     runs = {}
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -137,6 +137,16 @@ def test_a_stop_during_the_initial_evaluation_resumes_exactly(
     runs["a"].fit()
     final = weights(runs["a"])
     runs["a"].close()
+    return runs["b"], final
+
+
+def test_a_stop_during_the_initial_evaluation_resumes_exactly(
+    tmp_path, tiny_frozenlake, monkeypatch
+):
+    """Ctrl-C at the end of the step-0 evaluation (every sample drawn, the row not written):
+    the checkpoint holds the state from before it, the resumed run evaluates step 0 again, and
+    its rows and final weights equal the uninterrupted run's."""
+    b, final = two_step_runs(tmp_path)
 
     real = trainer_module.evaluate
 
@@ -145,7 +155,6 @@ def test_a_stop_during_the_initial_evaluation_resumes_exactly(
         raise KeyboardInterrupt("SIGINT")
 
     monkeypatch.setattr(trainer_module, "evaluate", stopped_at_step_0)
-    b = runs["b"]
     with pytest.raises(KeyboardInterrupt):
         b.fit()
     b.save()  # what `agentree train` does on Ctrl-C
@@ -158,6 +167,52 @@ def test_a_stop_during_the_initial_evaluation_resumes_exactly(
     again.close()
     rows = metric_rows(tmp_path / "a")
     assert any(r.get("train/grad_norm", 0) > 0 for r in rows)  # the updates moved something
+    assert metric_rows(tmp_path / "b") == rows
+    for k, v in resumed.items():
+        assert torch.equal(v, final[k]), k
+
+
+def test_a_sigterm_before_the_first_optimiser_step_abandons_the_step_and_resumes_exactly(
+    tmp_path, tiny_frozenlake, monkeypatch
+):
+    """A real SIGTERM, delivered while the second step's update computes its gradients, is
+    honoured at once (not held to the end of the update): the checkpoint holds the weights and
+    the state from before that step's rollout, and the resumed run redoes the step and ends
+    with the uninterrupted run's rows and weights."""
+    import agentree.learner.update as update_module
+
+    b, final = two_step_runs(tmp_path)
+
+    real = update_module.policy_loss
+    raised_in_loss = []
+
+    def signalled_in_step_1(*args, **kwargs):
+        if b.step == 1 and not raised_in_loss:
+            raised_in_loss.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises before the next line
+            raised_in_loss.append(False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(update_module, "policy_loss", signalled_in_step_1)
+    b.stop.install()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            b.fit()
+        assert raised_in_loss == [True]  # raised inside the gradient pass, not at its end
+        assert b.step == 1
+        ckpt = b.save()  # what `agentree train` does on the interrupt
+    finally:
+        b.stop.uninstall()
+    b.close()
+    monkeypatch.undo()
+    assert ckpt.name == "step_000001"
+    again = trainer(tmp_path / "b", config(tmp_path / "b", steps=2))
+    assert again.resume() == ckpt and again.step == 1
+    again.fit()
+    resumed = weights(again)
+    again.close()
+    rows = metric_rows(tmp_path / "a")
+    assert any(r.get("train/grad_norm", 0) > 0 for r in rows)
     assert metric_rows(tmp_path / "b") == rows
     for k, v in resumed.items():
         assert torch.equal(v, final[k]), k

@@ -25,7 +25,7 @@ import copy
 import os
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,16 @@ class Learner:
         return self.updater.opt
 
     def update(
-        self, trees: list[Tree], groups: list[list[Trajectory]], *, lr: float, stale: bool
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        *,
+        lr: float,
+        stale: bool,
+        commit: Callable[[], None] | None = None,
     ) -> dict[str, float]:
-        return self.updater(trees, groups, lr=lr, stale=stale)
+        """`PolicyUpdate.__call__`: `commit` runs just before the weights first change."""
+        return self.updater(trees, groups, lr=lr, stale=stale, commit=commit)
 
     def publish(self) -> Any:
         """Put the trained weights into rank 0's engine model (a collective under FSDP). Rank 0
@@ -198,11 +205,9 @@ class ShardedLearner(Learner):
         )
         self._stale = True
 
-    def update(
-        self, trees: list[Tree], groups: list[list[Trajectory]], *, lr: float, stale: bool
-    ) -> dict[str, float]:
-        self._stale = True
-        return super().update(trees, groups, lr=lr, stale=stale)
+    def update(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._stale = True  # the engine model no longer holds the trained weights
+        return super().update(*args, **kwargs)
 
     def publish(self) -> Any:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)

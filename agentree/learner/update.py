@@ -97,7 +97,11 @@ class PolicyUpdate:
         groups: list[list[Trajectory]],
         lr: float | Callable[[], float],
         stale: bool = False,
+        commit: Callable[[], None] | None = None,
     ) -> dict[str, float]:
+        """Optimiser steps on this batch. `commit` is called once, just before the first step
+        changes the weights: until then the update can be abandoned and the weights, the
+        optimiser and the learning rate are as they were."""
         tc = self.tc
         temp = self.temperature
         lc = tc.logits_chunk  # tokens per output-layer slice (0: all at once)
@@ -177,6 +181,9 @@ class PolicyUpdate:
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
                 gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # sharded grads
                 sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gn)
+                if commit is not None:
+                    commit()
+                    commit = None
                 self.set_lr(lr() if callable(lr) else lr)
                 self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -220,11 +220,18 @@ class Trainer:
         if self.rt is not None:
             metrics, payload = self._rollout_step()
         trees, groups, stale = broadcast_object(payload)
-        self.stop.hold()  # an interrupted update would checkpoint half-updated weights
+        # A checkpoint must never hold weights half-way through an update, so a stop is held
+        # from the first optimiser step to the end of the step. Before that step nothing has
+        # changed: one synchronous process honours a stop at once and checkpoints the state
+        # from before this step's rollout. Ranks (which must stop together) and a rollout in
+        # flight for the next step hold it from here.
+        if self.world > 1 or self._pending is not None:
+            self.stop.hold()
         if trees:
             t1 = time.perf_counter()
-            metrics.update(self.update(trees, groups, stale=stale))
+            metrics.update(self.update(trees, groups, stale=stale, commit=self.stop.hold))
             metrics["time/update_s"] = time.perf_counter() - t1
+        self.stop.hold()
         self.publish()
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
@@ -353,10 +360,14 @@ class Trainer:
 
     # -- update ------------------------------------------------------------------------------
     def update(
-        self, trees: list[Tree], groups: list[list[Trajectory]], stale: bool = False
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        stale: bool = False,
+        commit: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         lr = lr_at(self.cfg.train, self.step)
-        return self.learner.update(trees, groups, lr=lr, stale=stale)
+        return self.learner.update(trees, groups, lr=lr, stale=stale, commit=commit)
 
     # -- run directory -----------------------------------------------------------------------
     def write_metrics(self, metrics: dict[str, float]) -> None:
