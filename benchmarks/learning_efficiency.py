@@ -38,7 +38,8 @@ Every (method, seed) is an ordinary `agentree train` run in a fresh process unde
 unfinished one continues with `--resume` (its saved config, whatever the flags now say) from
 the checkpoint it wrote when the benchmark was stopped (Ctrl-C or SIGTERM; from the start if
 it has none), drawing what it would have drawn uninterrupted, so an interrupted benchmark
-resumes where it stopped. A run's console output, every segment's, is `seed<N>.log` beside it.
+resumes where it stopped; a run killed outright resumes from its checkpoint of every fifth
+step. A run's console output, every segment's, is `seed<N>.log` beside it.
 Seeds change the training and held-out maps and the sampling; the warm start is the same
 build for every seed, so per-seed results pair up across methods.
 
@@ -245,7 +246,7 @@ def train_command(
         f"train.eval_every={args.eval_every}",
         f"eval.tasks={args.eval_tasks}",
         f"eval.samples={args.eval_samples}",
-        "train.save_every=0",
+        "train.save_every=5",  # a run killed outright (no SIGTERM) loses at most 5 steps
         "train.trees_every=0",
         *args.set,
     ]:
