@@ -245,6 +245,34 @@ def test_a_stopped_benchmark_continues_its_runs_as_if_never_stopped(tmp_path, ti
     assert (Path(os.environ["AGENTREE_CACHE"]) / "tiny-warm" / key / "config.json").is_file()
 
 
+def test_a_run_that_does_not_stop_in_time_is_killed_and_named(tmp_path):
+    """The benchmark's stop handler on a run that ignores SIGTERM: after the grace period the
+    run is killed, the benchmark says which run and where its log is, and exits 128 + 15."""
+    script = f"""
+import importlib.util, signal, subprocess, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("le", {str(PATH)!r})
+le = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(le)
+le.STOP_GRACE_S = 1
+deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True)"
+deaf += "; time.sleep(60)"
+run = subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE)
+run.stdout.readline()  # SIGTERM is ignored from here
+le._LIVE[run] = Path({str(tmp_path / "seed0")!r})
+le.stop_runs(signal.SIGTERM, None)
+"""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr
+    assert time.monotonic() - t0 < 30
+    assert f"{tmp_path / 'seed0'} did not checkpoint within 1 s of SIGTERM and was killed" in (
+        out.stdout
+    )
+    assert f"(see {tmp_path / 'seed0.log'})" in out.stdout
+    assert "stopped 1 run(s); run the same command again to resume" in out.stdout
+
+
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
