@@ -40,6 +40,10 @@ the checkpoint it wrote when the benchmark was stopped (Ctrl-C or SIGTERM; from 
 it has none), drawing what it would have drawn uninterrupted, so an interrupted benchmark
 resumes where it stopped; a run killed outright resumes from its checkpoint of every fifth
 step. A run's console output, every segment's, is `seed<N>.log` beside it.
+Seeds need not stay on disk to be summarised: `--earlier X_details.json` adds the per-seed
+curves of an earlier summary (its `X_summary.json` beside it) to the runs here, and refuses one
+trained under another budget rule or from other warm weights, one that lacks a method, and a
+seed given twice.
 Seeds change the training and held-out maps and the sampling; the warm start is the same
 build for every seed, so per-seed results pair up across methods.
 
@@ -82,6 +86,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -436,6 +441,52 @@ def mean_eval(curve: dict[str, Any], every: int | None) -> float:
     return statistics.fmean(at[s] for s in area_steps(curve, every))
 
 
+@dataclass
+class Earlier:
+    """Runs summarised before and no longer on disk (`--earlier`): their per-seed curves by
+    method, and what their summaries say they were run under, to be checked against the runs
+    summarised with them."""
+
+    curves: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    walker: list[tuple[float, int]] = field(default_factory=list)  # (walker's mean, its seeds)
+    budgets: list[tuple[str, Any]] = field(default_factory=list)
+    warm_starts: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def load_earlier(paths: list[Path], methods: list[str]) -> Earlier:
+    """The per-seed curves of earlier summaries of this benchmark, each given as the
+    `<...>details.json` it wrote with its `<...>summary.json` beside it, so that seeds run on
+    another day (or machine) are summarised with today's without keeping their run directories.
+    Each must hold every method summarised, and no seed may come from two places."""
+    earlier = Earlier(curves={m: {} for m in methods})
+    for path in paths:
+        if "details" not in path.name:
+            raise SystemExit(f"--earlier takes a benchmark's details file, not {path}")
+        details = json.loads(path.read_text())
+        # `<case>_details.json` sits beside `<case>_summary.json` (FrozenLake 4x4's: `summary.json`)
+        beside = [
+            path.with_name(path.name.replace("details", "summary")),
+            path.with_name("summary.json"),
+        ]
+        found = [p for p in beside if p.exists()]
+        if not found:
+            raise SystemExit(f"{path} has no summary beside it ({beside[0].name})")
+        summary = json.loads(found[0].read_text())
+        missing = sorted(set(methods) - set(details["per_seed"]))
+        if missing:
+            raise SystemExit(f"{path} holds no runs of {missing}: its seeds would not pair up")
+        for m in methods:
+            for seed, curve in zip(details["seeds"], details["per_seed"][m], strict=True):
+                if seed in earlier.curves[m]:
+                    raise SystemExit(f"seed {seed} of {m} is in two --earlier files")
+                earlier.curves[m][seed] = curve
+        if details.get("walker_success") is not None:
+            earlier.walker.append((details["walker_success"], len(details["seeds"])))
+        earlier.budgets.append((str(path), summary.get("budget")))
+        earlier.warm_starts.append((str(path), summary.get("warm_start_sha256")))
+    return earlier
+
+
 def summarise(
     case: str,
     methods: list[str],
@@ -443,12 +494,28 @@ def summarise(
     out: Path,
     baseline: float | None,
     area_every: int | None = None,
+    earlier: Earlier | None = None,
 ) -> dict:
     spec = CASES[case]
     rule = budget_rule([out / case / m / f"seed{s}" for m in methods for s in seeds])
-    curves = {
-        m: [read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds] for m in methods
+    kept = {
+        m: {s: read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds}
+        for m in methods
     }
+    if earlier is not None:
+        for path, theirs in earlier.budgets:
+            if rule is not None and theirs != rule:
+                raise SystemExit(
+                    f"{path} was trained under {theirs}, these runs under {rule}: "
+                    "runs under different budgets are not summarised together"
+                )
+        for m in methods:
+            again = sorted(set(kept[m]) & set(earlier.curves[m]))
+            if again:
+                raise SystemExit(f"seeds {again} of {m} are both kept and in an --earlier file")
+            kept[m].update(earlier.curves[m])
+    seeds = sorted(next(iter(kept.values())))
+    curves = {m: [kept[m][s] for s in seeds] for m in methods}
     means = {m: mean_curve(c) for m, c in curves.items()}
     # GRPO's final value is a target only if GRPO learned: a final at or below the shared
     # starting point is "reached" by every curve before any training, at 0 env steps
@@ -608,6 +675,14 @@ def main() -> None:
     ap.add_argument(
         "--jobs", type=int, default=1, help="runs at once (each then uses one torch thread)"
     )
+    ap.add_argument(
+        "--earlier",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="details files of earlier summaries (their summary beside each) whose seeds are"
+        " summarised with these runs' (same methods, budget rule and warm start)",
+    )
     args = ap.parse_args()
     if args.budget_reserve:
         args.set.append("rollout.budget_reserve=true")
@@ -632,12 +707,22 @@ def main() -> None:
         with ThreadPoolExecutor(args.jobs) as pool:
             for done in [pool.submit(run_one, case, m, s, out, args) for m, s in runs]:
                 done.result()
+        key, sha256 = warm_start(out / case / methods[0] / f"seed{args.seeds[0]}")
+        earlier = load_earlier(args.earlier, methods)
+        for path, theirs in earlier.warm_starts:
+            if theirs != sha256:
+                raise SystemExit(
+                    f"{path} started from warm weights {theirs}, these runs from {sha256}: "
+                    "results from different warm starts are not summarised together"
+                )
         baseline = walker_baseline(case, args.seeds, args)
-        summary = summarise(case, methods, args.seeds, out, baseline, args.area_every)
+        if baseline is not None and earlier.walker:  # each a mean over its seeds' maps
+            walks = [(baseline, len(args.seeds)), *earlier.walker]
+            baseline = sum(w * n for w, n in walks) / sum(n for _, n in walks)
+        summary = summarise(case, methods, args.seeds, out, baseline, args.area_every, earlier)
         if "methods" not in CASES[case]:
             budget, turns = sizing_of(case, args)
             summary["sizing"] = {"budget_per_task": budget, "turns": turns}
-        key, sha256 = warm_start(out / case / methods[0] / f"seed{args.seeds[0]}")
         summary["warm_start"] = key
         summary["warm_start_sha256"] = sha256
         name = "summary.json" if case == "frozenlake" else f"{case}_summary.json"

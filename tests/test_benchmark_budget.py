@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,6 +254,7 @@ import importlib.util, signal, subprocess, sys
 from pathlib import Path
 spec = importlib.util.spec_from_file_location("le", {str(PATH)!r})
 le = importlib.util.module_from_spec(spec)
+sys.modules["le"] = le  # as an import would: the module's dataclasses look themselves up there
 spec.loader.exec_module(le)
 le.STOP_GRACE_S = 1
 deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True)"
@@ -305,3 +307,51 @@ def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
         "| 48 | 32.0 | 50.0 |",
         "| 64 | 36.0 | 50.0 |",
     ]
+
+
+def test_earlier_seeds_are_summarised_with_kept_runs_as_if_all_were_kept(
+    bench, tmp_path, monkeypatch
+):
+    """Seeds summarised before (their run directories gone) join today's runs through the
+    details file the earlier summary wrote: the summary equals one over all runs kept together,
+    and a seed given twice, a method missing or another budget rule is refused."""
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    curves = {
+        ("grpo", 0): ([40, 40], [0.2, 0.3, 0.4]),
+        ("grpo", 1): ([44, 36], [0.2, 0.3, 0.6]),
+        ("grpo", 2): ([42, 38], [0.1, 0.1, 0.3]),
+        ("patr", 0): ([30, 34], [0.2, 0.5, 0.5]),
+        ("patr", 1): ([30, 30], [0.2, 0.5, 0.5]),
+        ("patr", 2): ([31, 33], [0.1, 0.2, 0.4]),
+    }
+    together, before, today = tmp_path / "all", tmp_path / "before", tmp_path / "today"
+    for (method, seed), (env_steps, success) in curves.items():
+        write_run(together / "frozenlake" / method / f"seed{seed}", env_steps, success)
+        where = before if seed < 2 else today
+        write_run(where / "frozenlake" / method / f"seed{seed}", env_steps, success)
+    expected = bench.summarise("frozenlake", ["grpo", "patr"], [0, 1, 2], together, 0.1)
+    first = bench.summarise("frozenlake", ["grpo", "patr"], [0, 1], before, 0.1)
+    (before / "summary.json").write_text(json.dumps(first))
+    shutil.rmtree(before / "frozenlake")  # only the summary and its details are left
+    earlier = bench.load_earlier([before / "frozenlake_details.json"], ["grpo", "patr"])
+    merged = bench.summarise("frozenlake", ["grpo", "patr"], [2], today, 0.1, None, earlier)
+    assert merged == expected
+    assert merged["methods"]["patr"]["seeds"] == [0, 1, 2]
+    assert (today / "frozenlake_details.json").read_text() == (
+        together / "frozenlake_details.json"
+    ).read_text()
+    # the earlier file's walker figure is a mean over its two seeds' maps
+    assert earlier.walker == [(0.1, 2)]
+
+    with pytest.raises(SystemExit, match="both kept and in an --earlier file"):
+        bench.summarise("frozenlake", ["grpo", "patr"], [0, 1, 2], together, 0.1, None, earlier)
+    with pytest.raises(SystemExit, match=r"holds no runs of \['gigpo'\]"):
+        bench.load_earlier([before / "frozenlake_details.json"], ["grpo", "gigpo"])
+    details = before / "frozenlake_details.json"
+    with pytest.raises(SystemExit, match="seed 0 of grpo is in two --earlier files"):
+        bench.load_earlier([details, details], ["grpo", "patr"])
+    cfg = load_config("frozenlake8_patr", overrides=["rollout.env_step_budget=128"])
+    for method in ("grpo", "patr"):
+        (today / "frozenlake" / method / "seed2" / "config.yaml").write_text(cfg.to_yaml())
+    with pytest.raises(SystemExit, match="different budgets"):
+        bench.summarise("frozenlake", ["grpo", "patr"], [2], today, 0.1, None, earlier)
