@@ -357,14 +357,20 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     return curve
 
 
-def budget_rule(runs: list[Path]) -> dict[str, Any] | None:
+def budget_rule(
+    runs: list[Path], earlier: list[tuple[str, dict[str, Any] | None]] = ()
+) -> dict[str, Any] | None:
     """The env-step budget and its rule (`rollout.env_step_budget`, `rollout.budget_reserve`)
-    the runs were trained under, read from their saved configs; None when no run saved one.
-    Runs under different rules measure different things, so a mix is refused."""
+    the runs were trained under, read from their saved configs, and those `earlier` summaries
+    (path, their "budget") recorded; None when none says. Runs under different rules measure
+    different things, so a mix is refused."""
     # deferred: the config module is only needed once runs are summarised
     from agentree.config import load_config
 
     rules: dict[tuple[Any, bool], list[str]] = {}
+    for path, rule in earlier:
+        if rule is not None:
+            rules.setdefault((rule["env_step_budget"], rule["budget_reserve"]), []).append(path)
     for run in runs:
         if (run / "config.yaml").exists():
             rollout = load_config(str(run / "config.yaml")).rollout
@@ -497,18 +503,13 @@ def summarise(
     earlier: Earlier | None = None,
 ) -> dict:
     spec = CASES[case]
-    rule = budget_rule([out / case / m / f"seed{s}" for m in methods for s in seeds])
+    runs = [out / case / m / f"seed{s}" for m in methods for s in seeds]
+    rule = budget_rule(runs, earlier.budgets if earlier is not None else [])
     kept = {
         m: {s: read_curve(out / case / m / f"seed{s}", spec["budget"]) for s in seeds}
         for m in methods
     }
     if earlier is not None:
-        for path, theirs in earlier.budgets:
-            if rule is not None and theirs != rule:
-                raise SystemExit(
-                    f"{path} was trained under {theirs}, these runs under {rule}: "
-                    "runs under different budgets are not summarised together"
-                )
         for m in methods:
             again = sorted(set(kept[m]) & set(earlier.curves[m]))
             if again:

@@ -350,6 +350,10 @@ def test_earlier_seeds_are_summarised_with_kept_runs_as_if_all_were_kept(
     details = before / "frozenlake_details.json"
     with pytest.raises(SystemExit, match="seed 0 of grpo is in two --earlier files"):
         bench.load_earlier([details, details], ["grpo", "patr"])
+    # the earlier runs under the reserve, today's cut when the budget ends
+    first["budget"] = {"env_step_budget": 128, "budget_reserve": True}
+    (before / "summary.json").write_text(json.dumps(first))
+    earlier = bench.load_earlier([details], ["grpo", "patr"])
     cfg = load_config("frozenlake8_patr", overrides=["rollout.env_step_budget=128"])
     for method in ("grpo", "patr"):
         (today / "frozenlake" / method / "seed2" / "config.yaml").write_text(cfg.to_yaml())
