@@ -9,7 +9,10 @@ with its standard error, env steps per step, env steps to flat GRPO's final, pas
 train wall time per run; PATR minus each method per seed, in final success and (where the
 summary has it) in held-out success averaged over the evaluations after step 0; and each
 method's seed-mean success at equal env steps (interpolated linearly between evaluations, at
-quarters of the smallest budget any method spent).
+quarters of the smallest budget any method spent). `--runs LABEL` prints instead a row per
+run, as the long-horizon page lists them:
+
+    python benchmarks/field_tables.py DIR --case frozenlake8 --runs "FrozenLake 8x8"
 """
 
 from __future__ import annotations
@@ -110,14 +113,57 @@ def equal_budget_table(details: dict[str, Any]) -> list[str]:
     return out
 
 
+def runs_table(details: dict[str, Any], label: str) -> list[str]:
+    """A row per run, as docs/results/long-horizon.md lists them: held-out success at every
+    tenth step and the last, pass@4 at the last, train success over the first and last ten steps,
+    trajectories a task and cut a step, informative groups a step, env steps and train wall
+    time. Runs summarised before `read_curve` kept the training groups have no row."""
+
+    def shown(steps: list[int]) -> list[bool]:  # every tenth step and the last
+        return [s % 10 == 0 or i == len(steps) - 1 for i, s in enumerate(steps)]
+
+    first = next(iter(details["per_seed"].values()))[0]["step"]
+    tenths = " / ".join(str(s) for s, keep in zip(first, shown(first), strict=True) if keep)
+    out = [
+        f"| env | method | seed | held-out % at {tenths} | pass@4 at end | train success, first"
+        " → last 10 steps | trajectories a task / cut a step | informative groups a step |"
+        " env steps | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, curves in details["per_seed"].items():
+        for seed, c in zip(details["seeds"], curves, strict=True):
+            train = c.get("train")
+            if not train or not train["success"]:
+                continue
+            keep = shown(c["step"])
+            held = [pct(y) for y, k in zip(c["success"], keep, strict=True) if k]
+            held[-1] = f"**{held[-1]}**"
+            ok, totals = train["success"], c["totals"]
+            head, tail = ok[:10], ok[-10:]
+            tasks = max(train["tasks"])
+            out.append(
+                f"| {label} | {m} | {seed} | {' / '.join(held)} | {pct(c['pass_at_k'][-1])} | "
+                f"{pct(sum(head) / len(head))} → {pct(sum(tail) / len(tail))} | "
+                f"{sum(train['group_size']) / len(ok):.1f} / "
+                f"{totals['budget_cut'] / max(totals['steps'], 1):.0f} | "
+                f"{sum(train['informative']) / len(ok):.1f} of {tasks} | "
+                f"{totals['env_steps']:,.0f} | {totals['wall_s'] / 60:.0f} min |"
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="the benchmark's --out directory")
     ap.add_argument("--case", default="frozenlake")
+    ap.add_argument("--runs", metavar="LABEL", help="print only the table of runs, env LABEL")
     args = ap.parse_args()
     name = "summary.json" if args.case == "frozenlake" else f"{args.case}_summary.json"
     summary = json.loads((args.out / name).read_text())
     details = json.loads((args.out / f"{args.case}_details.json").read_text())
+    if args.runs:
+        print("\n".join(runs_table(details, args.runs)))
+        return
     tables = [main_table(summary, details), paired_table(summary)]
     if "paired_patr_vs_mean_eval" in summary:  # summaries written before it lack the area
         tables.append(paired_table(summary, "_mean_eval"))

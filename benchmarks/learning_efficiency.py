@@ -323,12 +323,16 @@ def stop_runs(signum: int, _frame: Any) -> None:
 
 def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     """Held-out points of a run (step, cumulative budget and train wall, success, pass@k)
-    and its totals: env steps, forks, optimiser steps, train wall time."""
+    and its totals: env steps, forks, optimiser steps, train wall time, and the training
+    groups (`train`: per step, the success rate, trajectories a task and informative groups
+    of the step's tasks)."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     keys = (budget,) if isinstance(budget, str) else budget
     spent, wall = {0: 0.0}, {0: 0.0}
     total = seconds = env_steps = forks = cut = 0.0
     steps = 0
+    train: dict[str, list[float]] = {"success": [], "group_size": [], "informative": []}
+    train["tasks"] = []
     for r in rows:
         if "time/step_s" in r:
             total += sum(float(r.get(k, 0.0)) for k in keys)
@@ -338,6 +342,12 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
             cut += float(r.get("rollout/budget_cut", 0.0))
             steps += 1
             spent[r["step"]], wall[r["step"]] = total, seconds
+            if "train/group_size" in r:
+                size = float(r["train/group_size"])
+                train["success"].append(float(r["train/success_rate"]))
+                train["group_size"].append(size)
+                train["informative"].append(float(r["train/groups_informative"]))
+                train["tasks"].append(round(float(r["rollout/trajectories"]) / size))
     curve: dict[str, Any] = {"step": [], "budget": [], "wall_s": [], "success": []}
     curve["pass_at_k"] = []
     for r in rows:
@@ -354,6 +364,7 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
         "steps": steps,
         "wall_s": seconds,
     }
+    curve["train"] = train
     return curve
 
 

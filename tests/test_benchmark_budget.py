@@ -76,6 +76,9 @@ def write_run(run: Path, env_steps: list[float], success: list[float]) -> None:
     rows = [{"step": 0, "eval/success_rate": success[0], "eval/pass_at_k": 0.5}]
     for i, e in enumerate(env_steps, start=1):
         rows.append({"step": i, "time/step_s": 2.0, "rollout/env_steps": e, "rollout/forks": 3})
+        # two tasks a step: groups of 5 and 3 trajectories, one holding both outcomes
+        rows[-1].update({"rollout/trajectories": 8, "train/group_size": 4.0})
+        rows[-1].update({"train/success_rate": success[i] / 2, "train/groups_informative": 1})
         rows.append({"step": i, "eval/success_rate": success[i], "eval/pass_at_k": 0.75})
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -296,6 +299,13 @@ def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
     assert rows[3].startswith("| PATR | 20.0 | 50.0 ± - | 32 | 30 |")
     assert rows[-1].startswith("| random-valid-move walker | 10.0% |")
     assert tables.paired_table(summary)[2] == "| flat GRPO | +10.0 | +10.0 ± - | 1 / 0 / 0 |"
+    # a row per run: held-out at step 0 (a tenth) and 2 (the last), not 1; train success the
+    # mean of half of steps 1-2's held-out figures; 8 trajectories over 2 tasks, 1 informative
+    runs = tables.runs_table(details, "lake")
+    assert runs[0].startswith("| env | method | seed | held-out % at 0 / 2 | pass@4 at end |")
+    grpo, patr = "20.0 / **40.0** | 75.0 | 17.5 → 17.5", "20.0 / **50.0** | 75.0 | 25.0 → 25.0"
+    assert runs[2] == f"| lake | grpo | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 0 min |"
+    assert runs[3] == f"| lake | patr | 0 | {patr} | 4.0 / 0 | 1.0 of 2 | 64 | 0 min |"
     # the area: PATR (0.5 + 0.5) / 2 against GRPO (0.3 + 0.4) / 2
     area = tables.paired_table(summary, "_mean_eval")[2]
     assert area == "| flat GRPO | +15.0 | +15.0 ± - | 1 / 0 / 0 |"
