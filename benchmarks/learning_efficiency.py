@@ -321,6 +321,14 @@ def stop_runs(signum: int, _frame: Any) -> None:
     os._exit(128 + signum)
 
 
+TRAIN_KEYS = (
+    "train/group_size",
+    "train/success_rate",
+    "train/groups_informative",
+    "rollout/trajectories",
+)
+
+
 def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     """Held-out points of a run (step, cumulative budget and train wall, success, pass@k)
     and its totals: env steps, forks, optimiser steps, train wall time, and the training
@@ -342,7 +350,7 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
             cut += float(r.get("rollout/budget_cut", 0.0))
             steps += 1
             spent[r["step"]], wall[r["step"]] = total, seconds
-            if "train/group_size" in r:
+            if all(k in r for k in TRAIN_KEYS):  # rows of older runs may lack some
                 size = float(r["train/group_size"])
                 train["success"].append(float(r["train/success_rate"]))
                 train["group_size"].append(size)
