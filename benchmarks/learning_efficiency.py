@@ -339,8 +339,8 @@ def read_curve(run: Path, budget: str | tuple[str, ...]) -> dict[str, Any]:
     spent, wall = {0: 0.0}, {0: 0.0}
     total = seconds = env_steps = forks = cut = 0.0
     steps = 0
-    train: dict[str, list[float]] = {"success": [], "group_size": [], "informative": []}
-    train["tasks"] = []
+    train: dict[str, list[float]] = {k: [] for k in ("success", "group_size", "informative")}
+    train["tasks"] = []  # the step's tasks: its trajectories over the mean group size
     for r in rows:
         if "time/step_s" in r:
             total += sum(float(r.get(k, 0.0)) for k in keys)
