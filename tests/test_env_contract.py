@@ -3,7 +3,17 @@ import random
 
 import pytest
 
-from agentree.envs import Env, EnvCheckError, Task, check_env, env_class, make_env, register_env
+from agentree.envs import (
+    Env,
+    EnvCheckError,
+    EnvConfig,
+    MoveGame,
+    Task,
+    check_env,
+    env_class,
+    make_env,
+    register_env,
+)
 from agentree.envs.base import EVAL_SEED_OFFSET
 
 
@@ -112,6 +122,88 @@ def test_a_declared_turn_limit_is_checked():
     for name in ("frozenlake", "sokoban", "babyai", "countdown"):
         env = make_env(name)
         assert env.turn_limit() == getattr(getattr(env, "cfg", None), "max_turns", 1)
+
+
+class Corridor(MoveGame):
+    """A user's move game: walk `right` from cell 0 to cell 3; `left` at cell 0 stays there."""
+
+    class Config(EnvConfig):
+        max_turns: int = 4
+        invalid_penalty: float = 0.5
+
+    def __init__(self, **kwargs):
+        self.cfg = self.Config(**kwargs)
+        self.cell = None
+
+    def reset(self, *, seed=None, options=None):
+        self.cell, self._turn, self._done = 0, 0, False
+        return "cell 0", self.turn_info(valid=True, success=False)
+
+    @property
+    def started(self):
+        return self.cell is not None
+
+    def read_move(self, action):
+        word = action.strip().lower()
+        return (word, None) if word in ("left", "right") else (None, f"no move in {action!r}")
+
+    def play(self, move):
+        self.cell = max(0, self.cell + (1 if move == "right" else -1))
+        return float(self.cell == 3), f"cell {self.cell}", self.cell == 3, self.cell == 3
+
+    def invalid_turn(self, action, error):
+        return -self.cfg.invalid_penalty, f"{error}; still cell {self.cell}"
+
+    def turn_info(self, *, valid, success):
+        return {"cell": self.cell, "valid": valid, "success": success}
+
+    def snapshot(self):
+        return (self.cell, self._turn, self._done)
+
+    def restore(self, state):
+        self.cell, self._turn, self._done = state
+
+    def example_actions(self):
+        return ["right", "left", "jump", "right"]
+
+
+def test_a_move_game_needs_only_its_moves():
+    """`MoveGame` owns the step: the turn count, the invalid turn (game unchanged, penalty,
+    `invalid:` key), termination by a move, truncation at `max_turns`, and the info keys."""
+    env = Corridor()
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("right")
+    env.reset(seed=0)
+    assert env.step("right") == (
+        "cell 1",
+        0.0,
+        False,
+        False,
+        {"cell": 1, "valid": True, "success": False, "action_key": "right", "format_error": False},
+    )
+    obs, reward, term, trunc, info = env.step("  jump   high ")
+    assert (obs, reward, term, trunc) == (
+        "no move in '  jump   high '; still cell 1",
+        -0.5,
+        False,
+        False,
+    )
+    assert info == {
+        "cell": 1,
+        "valid": False,
+        "success": False,
+        "action_key": "invalid:jump high",
+        "format_error": True,
+    }
+    assert env.step("right")[:4] == ("cell 2", 0.0, False, False)
+    assert env.step("right")[:4] == ("cell 3", 1.0, True, False)  # turn 4: the move ends it
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.step("left")
+    env.reset(seed=0)
+    results = [env.step(a) for a in ("left", "right", "left", "left")]
+    assert [r[3] for r in results] == [False, False, False, True]  # truncated at turn 4
+    assert results[-1][4]["success"] is False and env.turn_limit() == 4
+    assert check_env(Corridor(), seed=0)["forkable"]
 
 
 def test_registry_and_import_paths():

@@ -32,7 +32,7 @@ import gymnasium
 from pydantic import Field
 
 from agentree import prompts
-from agentree.envs.base import Env, EnvConfig, Task
+from agentree.envs.base import EnvConfig, MoveGame, Task
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ class _Snapshot:
     start_plan: int | None
 
 
-class BabyAIEnv(Env):
+class BabyAIEnv(MoveGame):
     """Text BabyAI on minigrid; a snapshot is a deep copy of the level, so a fork costs a few
     milliseconds.
 
@@ -394,36 +394,31 @@ class BabyAIEnv(Env):
         self._level.reset(seed=seed)
         self._turn, self._done, self._known = 0, False, False
         self._start_plan = self.plan_left()
-        return self.render(), self._info(valid=True, success=False)
+        return self.render(), self.turn_info(valid=True, success=False)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._level is None:
-            raise RuntimeError("call reset() before step()")
-        if self._done:
-            raise RuntimeError("episode is over; call reset()")
-        self._turn += 1
-        move = parse_action(action)
-        success = terminated = False
-        if move is None:
-            reward = -self.cfg.invalid_penalty
-            obs = prompts.render("babyai/invalid.txt", observation=self.render()).strip()
-            key = "invalid:" + " ".join(action.split())[:64]
-        else:
-            on_plan = self._known and self._plan is not None and self._plan[:1] == (move,)
-            _, r, terminated, _, _ = self._level.step(ACTIONS.index(move))
-            success = bool(terminated and r > 0)
-            reward, obs, key = float(success), self.render(), move
-            # a step along the plan leaves the rest of it a shortest plan; a finished episode
-            # has none (a failed one, which minigrid's strict verifiers end, cannot be done)
-            self._plan = self._plan[1:] if on_plan and self._plan else None
-            self._known = on_plan
-            if terminated:
-                self._plan, self._known = ((), True) if success else (None, True)
-        truncated = not terminated and self._turn >= self.cfg.max_turns
-        self._done = terminated or truncated
-        info = self._info(valid=move is not None, success=success)
-        info.update(action_key=key, format_error=move is None)
-        return obs, reward, bool(terminated), truncated, info
+    # -- a turn (the step is `MoveGame`'s) ----------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._level is not None
+
+    def read_move(self, action: str) -> tuple[str | None, str | None]:
+        return parse_action(action), None
+
+    def play(self, move: str) -> tuple[float, str, bool, bool]:
+        on_plan = self._known and self._plan is not None and self._plan[:1] == (move,)
+        _, r, terminated, _, _ = self._level.step(ACTIONS.index(move))
+        success = bool(terminated and r > 0)
+        # a step along the plan leaves the rest of it a shortest plan; a finished episode
+        # has none (a failed one, which minigrid's strict verifiers end, cannot be done)
+        self._plan = self._plan[1:] if on_plan and self._plan else None
+        self._known = on_plan
+        if terminated:
+            self._plan, self._known = ((), True) if success else (None, True)
+        return float(success), self.render(), bool(terminated), success
+
+    def invalid_turn(self, action: str, error: str | None) -> tuple[float, str]:
+        obs = prompts.render("babyai/invalid.txt", observation=self.render()).strip()
+        return -self.cfg.invalid_penalty, obs
 
     # -- forking ------------------------------------------------------------------------------
     def snapshot(self) -> _Snapshot:
@@ -442,9 +437,6 @@ class BabyAIEnv(Env):
         self._level = copy.deepcopy(state.level)
         self._turn, self._done = state.turn, state.done
         self._plan, self._known, self._start_plan = state.plan, state.known, state.start_plan
-
-    def turn_limit(self) -> int:
-        return self.cfg.max_turns
 
     def state_key(self) -> str:
         """Agent position and direction, what it carries, and the whole grid: equal keys are
@@ -520,7 +512,7 @@ class BabyAIEnv(Env):
                     break
         return texts
 
-    def _info(self, *, valid: bool, success: bool) -> dict[str, Any]:
+    def turn_info(self, *, valid: bool, success: bool) -> dict[str, Any]:
         return {
             "valid": valid,
             "turn": self._turn,

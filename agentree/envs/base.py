@@ -267,6 +267,69 @@ class Env(gymnasium.Env):
         return texts
 
 
+class MoveGame(Env):
+    """The step of a game played one move a turn (FrozenLake, Sokoban, BabyAI).
+
+    A turn reads one move from the action (`read_move`). A turn without one leaves the game as
+    it was (`invalid_turn` says what it costs and shows); a move is played (`play`). The episode
+    ends when a move ends it, or is truncated at `cfg.max_turns`. Each turn's info is the game's
+    (`turn_info`) with `action_key` (the move, or `invalid:` and the action's first 64
+    characters) and `format_error`. A subclass sets `_turn` and `_done` in `reset` and keeps
+    them in its snapshot.
+    """
+
+    _turn: int = 0
+    _done: bool = False
+
+    # -- what a subclass supplies -------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        """Whether `reset` has set a game up (`step` and `snapshot` need one)."""
+        raise NotImplementedError
+
+    def read_move(self, action: str) -> tuple[str | None, str | None]:
+        """(move, None) for one well-formed move, else (None, why not in a sentence, or None
+        for the game's own notice)."""
+        raise NotImplementedError
+
+    def play(self, move: str) -> tuple[float, str, bool, bool]:
+        """Play a well-formed move: (reward, observation, terminated, success)."""
+        raise NotImplementedError
+
+    def invalid_turn(self, action: str, error: str | None) -> tuple[float, str]:
+        """(reward, observation) of a turn that holds no well-formed move (`error` from
+        `read_move`); the game is unchanged."""
+        raise NotImplementedError
+
+    def turn_info(self, *, valid: bool, success: bool) -> dict[str, Any]:
+        """The info of the current state after a turn (`valid`: it held a move)."""
+        raise NotImplementedError
+
+    # -- gymnasium API ------------------------------------------------------------------------
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if not self.started:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            raise RuntimeError("episode is over; call reset()")
+        self._turn += 1
+        move, error = self.read_move(action)
+        if move is None:
+            reward, obs = self.invalid_turn(action, error)
+            terminated = success = False
+            key = "invalid:" + " ".join(action.split())[:64]
+        else:
+            reward, obs, terminated, success = self.play(move)
+            key = move
+        truncated = not terminated and self._turn >= self.cfg.max_turns
+        self._done = terminated or truncated
+        info = self.turn_info(valid=move is not None, success=success)
+        info.update(action_key=key, format_error=move is None)
+        return obs, reward, terminated, truncated, info
+
+    def turn_limit(self) -> int:
+        return self.cfg.max_turns
+
+
 def reset_task(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
     """`env.reset` for `task`; whatever goes wrong, a reset that raises or one that breaks the
     contract (not a `(str, dict)` pair), becomes one `ValueError` naming the task."""

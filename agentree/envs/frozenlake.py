@@ -25,7 +25,7 @@ from agentree.envs.grid import (
     ActionFormat,
     GridGame,
     move_action,
-    read_move,
+    read_move_call,
 )
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
@@ -167,30 +167,23 @@ class FrozenLakeEnv(GridGame):
         assert self._lake is not None
         self._lake.reset(seed=seed)
         self._turn, self._done = 0, False
-        return self.render_grid(), self._info(valid=True)
+        return self.render_grid(), self.turn_info(valid=True, success=False)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._lake is None:
-            raise RuntimeError("call reset() before step()")
-        if self._done:
-            raise RuntimeError("episode is over; call reset()")
-        self._turn += 1
+    # -- a turn (the step is `MoveGame`'s) ----------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._lake is not None
+
+    def read_move(self, action: str) -> tuple[str | None, str | None]:
         if self.cfg.action_format == "tools":
-            direction, error = read_move(action)
-            move = None if direction is None else ACTIONS[direction]
-        else:
-            move, error = parse_action(action), None
-        if move is None:
-            (reward, obs, key), terminated = self.invalid_turn(action, error), False
-        else:
-            _, r, terminated, _, _ = self._lake.step(move)
-            reward, obs = float(r), self.render_grid()
-            key = next(k for k, v in ACTIONS.items() if v == move)
-        truncated = not terminated and self._turn >= self.cfg.max_turns
-        self._done = terminated or truncated
-        info = self._info(valid=move is not None)
-        info.update(action_key=key, format_error=move is None)
-        return obs, reward, bool(terminated), truncated, info
+            return read_move_call(action)
+        move = parse_action(action)
+        return (None if move is None else MOVES[move].lower()), None
+
+    def play(self, move: str) -> tuple[float, str, bool, bool]:
+        assert self._lake is not None
+        _, r, terminated, _, _ = self._lake.step(ACTIONS[move])
+        return float(r), self.render_grid(), bool(terminated), self.position == self.goal
 
     # -- forking ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -255,13 +248,12 @@ class FrozenLakeEnv(GridGame):
         self._lake = GymFrozenLake(desc=desc, is_slippery=self.cfg.is_slippery)
         self._lake.reset(seed=0)
 
-    def _info(self, *, valid: bool) -> dict[str, Any]:
-        pos = self.position
+    def turn_info(self, *, valid: bool, success: bool) -> dict[str, Any]:
         return {
-            "pos": list(pos),
+            "pos": list(self.position),
             "goal": list(self.goal),
             "desc": list(self._desc),
             "valid": valid,
             "turn": self._turn,
-            "success": pos == self.goal,
+            "success": success,
         }

@@ -12,7 +12,7 @@ import json
 from typing import Any, Literal
 
 from agentree import prompts
-from agentree.envs.base import Env, Task
+from agentree.envs.base import MoveGame, Task
 from agentree.tools import ToolCall, ToolSpec, as_tool_action, call_format
 
 ActionFormat = Literal["text", "tools"]
@@ -39,7 +39,7 @@ MOVE_TOOL: dict[str, Any] = {
 }
 
 
-def read_move(action: str) -> tuple[str | None, str | None]:
+def read_move_call(action: str) -> tuple[str | None, str | None]:
     """(direction, None) for one well-formed `move` call, else (None, why not) in a sentence.
 
     A plain string (a scripted policy, `check_env`) is read as hermes calls."""
@@ -83,19 +83,21 @@ def tool_corpus(action_format: ActionFormat) -> list[str]:
     ]
 
 
-class GridGame(Env):
-    """What the grid games share: their moves as ```Move``` text or a `move` call
-    (`cfg.action_format`), the example moves, and a tokenizer corpus in the proportions the
-    policy sees. A subclass names its invalid-action notice (`invalid_prompt`)."""
+class GridGame(MoveGame):
+    """What the grid games share beyond a move a turn (`MoveGame`): their moves as ```Move```
+    text or a `move` call (`cfg.action_format`), the example moves, and a tokenizer corpus in
+    the proportions the policy sees. A subclass names its invalid-action notice
+    (`invalid_prompt`).
+
+    A subclass reads its moves itself (`read_move`: `read_move_call` with tools, its ```Move```
+    block otherwise): a step of the default run then enters no module beyond the env's own and
+    `envs/base`."""
 
     invalid_prompt: str = ""
     """The prompts path of the env's invalid-action notice, e.g. `frozenlake/invalid.txt`."""
 
     def tools(self) -> list[ToolSpec]:
         return [MOVE_TOOL] if self.cfg.action_format == "tools" else []
-
-    def turn_limit(self) -> int:
-        return self.cfg.max_turns
 
     def example_actions(self) -> list[str]:
         return example_moves(self.cfg.action_format)
@@ -109,12 +111,12 @@ class GridGame(Env):
             texts.extend(self.example_actions()[:4])
         return texts
 
-    def invalid_turn(self, action: str, error: str | None) -> tuple[float, str, str]:
-        """(reward, observation, action key) of a turn that is not one well-formed move: the
-        board unchanged, the invalid-action penalty, the env's notice (or the call's error)."""
+    def invalid_turn(self, action: str, error: str | None) -> tuple[float, str]:
+        """The invalid-action penalty, and the board unchanged under the env's notice (or the
+        call's error)."""
         grid = self.render_grid()
         if error is None:
             obs = prompts.render(self.invalid_prompt, grid=grid)
         else:
             obs = prompts.render("tools/invalid_move.txt", error=error, grid=grid)
-        return -self.cfg.invalid_penalty, obs, "invalid:" + " ".join(action.split())[:64]
+        return -self.cfg.invalid_penalty, obs

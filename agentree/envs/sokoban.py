@@ -33,7 +33,7 @@ from agentree.envs.grid import (
     ActionFormat,
     GridGame,
     move_action,
-    read_move,
+    read_move_call,
 )
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
@@ -289,33 +289,26 @@ class SokobanEnv(GridGame):
             room = generate_room(size, boxes, self.cfg.reverse_steps, random.Random(seed))
         self._room, self._turn, self._done = room, 0, False
         self._start_pushes = solve_pushes(room)
-        return self.render_grid(), self._info(valid=True)
+        return self.render_grid(), self.turn_info(valid=True, success=self.solved)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._room is None:
-            raise RuntimeError("call reset() before step()")
-        if self._done:
-            raise RuntimeError("episode is over; call reset()")
-        self._turn += 1
+    # -- a turn (the step is `MoveGame`'s) ----------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._room is not None
+
+    def read_move(self, action: str) -> tuple[str | None, str | None]:
         if self.cfg.action_format == "tools":
-            move, error = read_move(action)
-        else:
-            move, error = parse_action(action), None
-        if move is None:
-            (reward, obs, key), terminated = self.invalid_turn(action, error), False
-        else:
-            walls, _targets, boxes, player = _parts(self._room)
-            for name, (p, bx) in _successors(walls, player, boxes):
-                if name.lower() == move:
-                    self._room["player"] = list(p)
-                    self._room["boxes"] = sorted(map(list, bx))
-            terminated = self.solved
-            reward, obs, key = float(terminated), self.render_grid(), move
-        truncated = not terminated and self._turn >= self.cfg.max_turns
-        self._done = terminated or truncated
-        info = self._info(valid=move is not None)
-        info.update(action_key=key, format_error=move is None)
-        return obs, reward, bool(terminated), truncated, info
+            return read_move_call(action)
+        return parse_action(action), None
+
+    def play(self, move: str) -> tuple[float, str, bool, bool]:
+        walls, _targets, boxes, player = _parts(self.room)
+        for name, (p, bx) in _successors(walls, player, boxes):
+            if name.lower() == move:
+                self.room["player"] = list(p)
+                self.room["boxes"] = sorted(map(list, bx))
+        solved = self.solved
+        return float(solved), self.render_grid(), solved, solved
 
     # -- forking ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -384,11 +377,11 @@ class SokobanEnv(GridGame):
             rows.append(" ".join(cells))
         return "\n".join(rows)
 
-    def _info(self, *, valid: bool) -> dict[str, Any]:
+    def turn_info(self, *, valid: bool, success: bool) -> dict[str, Any]:
         return {
             "room": {k: v for k, v in self.room.items()},
             "start_pushes": self._start_pushes,
             "valid": valid,
             "turn": self._turn,
-            "success": self.solved,
+            "success": success,
         }
