@@ -1,11 +1,12 @@
 """Which agentree modules one training step enters, in order, and the layers it passes through.
 
 Runs the embedded default (or `--config NAME`) for one `Trainer.train_step` under a profiler
-hook and records every call into agentree's own code: the modules entered (first entry order),
-and the walk through layers (folders, `tests/test_imports.py` LAYERS), consecutive repeats
-collapsed. A return trip is a call from a lower layer back into a higher one (an upward call,
-e.g. through a callback), which the layering should make rare. Loads the policy the config names
-(the default's warm start is built once if it is not cached).
+hook, in the main thread and in every thread the step starts (the env turns the turn runner
+plays on its workers), and records every call into agentree's own code: the modules entered
+(first entry order), and the walk through layers (folders, `tests/test_imports.py` LAYERS),
+consecutive repeats collapsed. A return trip is a call from a lower layer back into a higher
+one (an upward call, e.g. through a callback), which the layering should make rare. Loads the
+policy the config names (the default's warm start is built once if it is not cached).
 
     python benchmarks/step_walk.py [--config NAME] [--set key=value ...] [--json OUT]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import agentree
@@ -59,9 +61,11 @@ def walk(config: str | None, overrides: list[str]) -> dict:
         entered: list[str] = []
         functions: dict[str, list[str]] = {}
         calls: list[tuple[str, str]] = []  # (caller module, callee module) across modules
-        stack: list[str | None] = []
+        # one call stack per thread: the turn runner plays env turns on worker threads
+        local = threading.local()
 
         def hook(frame, event, _arg):
+            stack = local.__dict__.setdefault("stack", [])
             if event == "call":
                 mod = module_of(frame.f_code.co_filename)
                 caller = next((m for m in reversed(stack) if m is not None), None)
@@ -77,11 +81,13 @@ def walk(config: str | None, overrides: list[str]) -> dict:
             elif event == "return" and stack:
                 stack.pop()
 
+        threading.setprofile(hook)
         sys.setprofile(hook)
         try:
             trainer.train_step()
         finally:
             sys.setprofile(None)
+            threading.setprofile(None)
             trainer.close()
     rooms_walk: list[str] = []
     for m in entered:

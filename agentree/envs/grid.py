@@ -90,8 +90,7 @@ class GridGame(MoveGame):
     (`invalid_prompt`).
 
     A subclass reads its moves itself (`read_move`: `read_move_call` with tools, its ```Move```
-    block otherwise): a step of the default run then enters no module beyond the env's own and
-    `envs/base`."""
+    block otherwise), since each game names and checks its moves its own way."""
 
     invalid_prompt: str = ""
     """The prompts path of the env's invalid-action notice, e.g. `frozenlake/invalid.txt`."""
