@@ -1,0 +1,86 @@
+"""Paired differences between two methods, from the run rows a results page lists.
+
+    python benchmarks/paired_rows.py docs/results/long-horizon.md patr+gigpo grpo \
+        --env "FrozenLake 8x8" [--seeds 0 1 2] [--section TEXT] [--until TEXT]
+
+Some seeds' run directories are gone and their summaries kept seed means only; the page keeps a
+row per run (`benchmarks/field_tables.py --runs`: held-out % at every tenth step and the last).
+This reads those rows, pairs method A with method B seed by seed (every seed both have, or
+`--seeds`), and prints A - B per seed, its mean and standard error, and how many seeds A won, on
+the final success and on the area (the mean held-out success over the evaluations after step
+0). The rows are rounded to 0.1 points, so a figure may differ by 0.1 from one worked from
+the unrounded curves. A (method, seed) that appears in two rows is refused: narrow the page
+with `--section`, text after which the rows begin, and `--until`, text where they end (by
+default the next heading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+
+def read_rows(text: str, env: str) -> dict[tuple[str, int], list[float]]:
+    """Held-out % per (method, seed) from the page's run rows of `env`."""
+    rows: dict[tuple[str, int], list[float]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or cells[0] != env or not cells[2].isdigit():
+            continue
+        key = (cells[1], int(cells[2]))
+        if key in rows:
+            raise SystemExit(f"{key[0]} seed {key[1]} has two rows; narrow it with --section")
+        rows[key] = [float(x.strip("*")) for x in cells[3].split(" / ")]
+    return rows
+
+
+def section(text: str, start: str | None, until: str | None) -> str:
+    """The page after `start` up to `until` or the next heading (without `start`, the page up
+    to `until`, or all of it)."""
+    for mark in (start, until):
+        if mark is not None and mark not in text:
+            raise SystemExit(f"no text {mark!r} in the page")
+    if start is None:
+        return text if until is None else text.split(until, 1)[0]
+    rest = text.split(start, 1)[1]
+    return rest.split(until, 1)[0] if until is not None else rest.split("\n#", 1)[0]
+
+
+def paired(a: list[float], b: list[float]) -> str:
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    each = ", ".join(f"{x:+.1f}" for x in d)
+    return (
+        f"{each}; mean {statistics.fmean(d):+.1f} ± {se:.1f}, {sum(x > 0 for x in d)}/{len(d)} won"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("page", type=Path)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--env", required=True, help="the rows' env label, e.g. 'FrozenLake 8x8'")
+    ap.add_argument("--seeds", type=int, nargs="*")
+    ap.add_argument("--section", help="text after which the rows begin")
+    ap.add_argument("--until", help="text where the rows end (default: the next heading)")
+    args = ap.parse_args()
+    rows = read_rows(section(args.page.read_text(), args.section, args.until), args.env)
+    have = [{s for m, s in rows if m == name} for name in (args.a, args.b)]
+    seeds = sorted(args.seeds if args.seeds else have[0] & have[1])
+    missing = [(m, s) for s in seeds for m in (args.a, args.b) if (m, s) not in rows]
+    if not seeds or missing:
+        raise SystemExit(f"no rows to pair: missing {missing or 'every seed'}")
+    curves = {m: [rows[(m, s)] for s in seeds] for m in (args.a, args.b)}
+    print(f"{args.a} - {args.b}, {args.env}, seeds {seeds}")
+    for name, of in (("final", lambda v: v[-1]), ("area", lambda v: statistics.fmean(v[1:]))):
+        a, b = ([of(v) for v in curves[m]] for m in (args.a, args.b))
+        print(
+            f"  {name}: {paired(a, b)} ({args.a} {statistics.fmean(a):.1f}, "
+            f"{args.b} {statistics.fmean(b):.1f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
