@@ -369,3 +369,27 @@ def test_earlier_seeds_are_summarised_with_kept_runs_as_if_all_were_kept(
         (today / "frozenlake" / method / "seed2" / "config.yaml").write_text(cfg.to_yaml())
     with pytest.raises(SystemExit, match="different budgets"):
         bench.summarise("frozenlake", ["grpo", "patr"], [2], today, 0.1, None, earlier)
+
+
+def test_paired_rows_pair_a_pages_run_rows_seed_by_seed(tmp_path):
+    """benchmarks/paired_rows.py on hand-made rows: A - B per seed on the final and on the mean
+    of the evaluations after step 0, with the standard error worked by hand."""
+    rows = [
+        "| FrozenLake 8x8 | patr | 0 | 10.0 / 12.0 / 14.0 / 16.0 / **20.0** | 30 |",
+        "| FrozenLake 8x8 | grpo | 0 | 10.0 / 11.0 / 12.0 / 13.0 / **14.0** | 30 |",
+        "| FrozenLake 8x8 | patr | 1 | 8.0 / 9.0 / 9.0 / 9.0 / **9.0** | 30 |",
+        "| FrozenLake 8x8 | grpo | 1 | 8.0 / 9.0 / 10.0 / 11.0 / **14.0** | 30 |",
+        "| Sokoban 7x7 | grpo | 1 | 50.0 / 50.0 / 50.0 / 50.0 / **50.0** | 30 |",
+    ]
+    page = tmp_path / "page.md"
+    page.write_text("\n".join(["# Runs", *rows, "", "## Again", rows[0]]) + "\n")
+    script = str(PATH.parent / "paired_rows.py")
+    args = [sys.executable, script, str(page), "patr", "grpo", "--env", "FrozenLake 8x8"]
+    done = subprocess.run([*args, "--until", "## Again"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # finals 20 - 14 and 9 - 14: mean 0.5, standard error |6 - (-5)| / 2 = 5.5;
+    # areas 15.5 - 12.5 and 9.0 - 11.0: mean 0.5, standard error |3 - (-2)| / 2 = 2.5
+    assert "final: +6.0, -5.0; mean +0.5 ± 5.5, 1/2 won (patr 14.5, grpo 14.0)" in done.stdout
+    assert "area: +3.0, -2.0; mean +0.5 ± 2.5, 1/2 won" in done.stdout
+    twice = subprocess.run(args, capture_output=True, text=True)
+    assert twice.returncode != 0 and "patr seed 0 has two rows" in twice.stderr
