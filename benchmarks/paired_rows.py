@@ -20,6 +20,8 @@ import argparse
 import statistics
 from pathlib import Path
 
+from learning_efficiency import paired
+
 
 def read_rows(text: str, env: str) -> dict[tuple[str, int], list[float]]:
     """Held-out % per (method, seed) from the page's run rows of `env`."""
@@ -47,13 +49,13 @@ def section(text: str, start: str | None, until: str | None) -> str:
     return rest.split(until, 1)[0] if until is not None else rest.split("\n#", 1)[0]
 
 
-def paired(a: list[float], b: list[float]) -> str:
-    d = [x - y for x, y in zip(a, b, strict=True)]
-    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
-    each = ", ".join(f"{x:+.1f}" for x in d)
-    return (
-        f"{each}; mean {statistics.fmean(d):+.1f} ± {se:.1f}, {sum(x > 0 for x in d)}/{len(d)} won"
-    )
+def shown(a: list[float], b: list[float]) -> str:
+    """A - B per seed, the mean ± its standard error and the wins (`learning_efficiency.paired`,
+    the benchmark's own pairing)."""
+    p = paired(a, b)
+    each = ", ".join(f"{x:+.1f}" for x in p["diffs"])
+    se = float("nan") if p["se"] is None else p["se"]
+    return f"{each}; mean {p['mean']:+.1f} ± {se:.1f}, {p['wins']}/{len(p['diffs'])} won"
 
 
 def main() -> None:
@@ -77,7 +79,7 @@ def main() -> None:
     for name, of in (("final", lambda v: v[-1]), ("area", lambda v: statistics.fmean(v[1:]))):
         a, b = ([of(v) for v in curves[m]] for m in (args.a, args.b))
         print(
-            f"  {name}: {paired(a, b)} ({args.a} {statistics.fmean(a):.1f}, "
+            f"  {name}: {shown(a, b)} ({args.a} {statistics.fmean(a):.1f}, "
             f"{args.b} {statistics.fmean(b):.1f})"
         )
 
