@@ -277,3 +277,37 @@ def test_gigpo_finds_identical_states_in_window_mode(engine):
             for s, a in zip(group, group_advs, strict=True)
         ]
         assert got == expected
+
+
+@pytest.mark.parametrize("k", [None, 1])
+def test_turn_skill_probes_the_prompts_the_rollouts_sample_against(engine, k):
+    """`benchmarks/turn_skill.py` asks the policy at turn t of an episode with the prompt it
+    builds from the conversation so far (`conversation_prompt`): for the whole history and for
+    a window, every such prompt is one the engine was asked to sample against in a rollout."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "turn_skill.py"
+    spec = importlib.util.spec_from_file_location("turn_skill", path)
+    assert spec and spec.loader
+    turn_skill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(turn_skill)
+    trees, _, groups = rollout(engine, k, **PATR)
+    sampled = {p for p, _, _ in engine.sampled}
+    chat = ChatFormat(engine.tokenizer)
+    eot = chat.end_of_turn_id
+    system = make_env("frozenlake").system_prompt
+    checked = 0
+    for tree, group in zip(trees, groups, strict=True):
+        for traj in group:
+            nodes = [tree.nodes[i] for i in traj.nodes]
+            messages = [{"role": "user", "content": nodes[0].observation}]
+            for n in nodes[1:]:
+                if chat.encode(n.action) != [i for i in n.action_ids if i != eot]:
+                    break  # sampled ids whose text tokenises another way: the probe sees text
+                prompt = turn_skill.conversation_prompt(chat, messages, k, system)
+                assert tuple(prompt) in sampled
+                checked += 1
+                messages += [{"role": "assistant", "content": n.action}]
+                messages += [{"role": "user", "content": n.observation}]
+    assert checked > len(trees) * 2  # later turns too, not only the first

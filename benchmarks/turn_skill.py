@@ -1,0 +1,169 @@
+"""What a policy knows at each turn of an episode, not only at the first: does it read the state?
+
+`first_move_skill` (agentree.models.warm) probes a policy on its first turn, where the prompt
+holds one observation. Rollouts also ask it on later turns, where the prompt holds the episode
+so far (`engine.history: all`) or the task and the last k turns (`last:k`). This plays the noisy
+expert (`--expert-prob`, the warm start's demonstrator) for k turns on held-out tasks, lays the
+conversation out as the rollouts would (`windowed` for a window, tokenised by
+`example_from_messages`), and measures at the state reached, over the env's fixed action set:
+
+- `top1`: the share of states where the policy's most likely action is a best one
+  (`Env.best_actions`; Sokoban: about 0.27 for a policy that knows nothing);
+- `p_best`: the mean probability it puts on best actions, which is what sampling at
+  temperature 1 gets.
+
+A policy that reads the room keeps its first-turn figures on later turns; one that does not
+falls to chance there, and RL has no state to attach its reward to after the first move.
+States where the episode has ended, or with no best action, are skipped (`states` counts the
+rest).
+
+    python benchmarks/turn_skill.py --config sokoban2_grpo --policy tiny-warm RUN/checkpoints/latest
+    python benchmarks/turn_skill.py --config sokoban2_grpo --history last:1 \\
+        --set policy.warm.pretrain_episodes=2400 --set policy.warm.pretrain_epochs=3
+
+`--policy` takes the config's names (`tiny-warm`: the config's warm build, with its `--set`
+overrides) or checkpoint directories. Prints one line per policy and turn, and writes them as
+JSON to `--out` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+
+def conversation_prompt(
+    chat: Any, messages: list[dict[str, Any]], window: int | None, system: str | None = None
+) -> list[int]:
+    """Token ids the rollouts would give the policy after `messages` (which end with an
+    observation), under the history window `window` (None: the whole episode), with the env's
+    `system` prompt as the rollouts send it."""
+    from agentree.models.sft import example_from_messages, windowed
+
+    probe = [*messages, {"role": "assistant", "content": "?"}]  # the answer to be sampled
+    if window is not None:
+        probe = windowed(probe, window)[-1]
+    ex = example_from_messages(chat, probe, system)
+    # the prompt ends where the last answer's learned tokens (its final masked run) begin
+    start = len(ex.loss_mask)
+    while start and ex.loss_mask[start - 1]:
+        start -= 1
+    return ex.token_ids[:start]
+
+
+def skill_by_turn(
+    model: Any,
+    chat: Any,
+    env: Any,
+    tasks: list[Any],
+    turns: list[int],
+    window: int | None,
+    expert_prob: float,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """`top1` and `p_best` at turn k of the noisy expert's episodes, for each k of `turns`."""
+    import torch
+
+    from agentree.models.warm import action_probs, scripted_action
+
+    actions = list(env.action_set)
+    if not actions:
+        raise SystemExit(f"{type(env).__name__} has no fixed action set (Env.action_set)")
+    action_ids = [chat.encode(a) for a in actions]
+    rows = []
+    for k in turns:
+        rng = random.Random(seed * 1000 + k)
+        hits, mass, n = 0, 0.0, 0
+        for task in tasks:
+            obs, _ = env.reset(seed=task.seed, options=task.options)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
+            ended = False
+            for _ in range(k):
+                action = scripted_action(env, expert_prob, rng)
+                obs, _r, terminated, truncated, _info = env.step(action)
+                messages += [
+                    {"role": "assistant", "content": action},
+                    {"role": "user", "content": obs},
+                ]
+                if terminated or truncated:
+                    ended = True
+                    break
+            best = env.best_actions()
+            if ended or not best:
+                continue
+            with torch.no_grad():
+                p = action_probs(
+                    model,
+                    conversation_prompt(chat, messages, window, env.system_prompt),
+                    action_ids,
+                )
+            hits += actions[int(p.argmax())] in best
+            mass += float(sum(p[actions.index(a)] for a in best if a in actions))
+            n += 1
+        rows.append({"turn": k, "top1": hits / max(n, 1), "p_best": mass / max(n, 1), "states": n})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--config", default=None, help="config NAME or FILE (default: the default run's)"
+    )
+    ap.add_argument("--set", action="append", default=[], help="config override key=value")
+    ap.add_argument(
+        "--policy", nargs="+", default=["tiny-warm"], help="policy names or directories"
+    )
+    ap.add_argument("--history", default=None, help="all or last:k (default: the config's)")
+    ap.add_argument("--turns", type=int, nargs="+", default=[0, 3, 6, 9])
+    ap.add_argument("--tasks", type=int, default=120, help="held-out tasks probed")
+    ap.add_argument("--expert-prob", type=float, default=0.3, help="the played expert's share")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the lines here as JSON")
+    args = ap.parse_args()
+
+    import torch
+
+    from agentree.chat import ChatFormat
+    from agentree.config import load_config
+    from agentree.envs.base import env_class
+    from agentree.hub.load import load_policy
+    from agentree.policy import resolve_policy
+
+    torch.set_num_threads(1)
+    history = [] if args.history is None else [f"engine.history={args.history}"]
+    cfg = load_config(args.config, overrides=[*args.set, *history])
+    window = cfg.engine.history_window
+    name, env_kwargs = cfg.component("env")
+    env = env_class(name)(**env_kwargs)
+    tasks = type(env).load_tasks(args.tasks, seed=args.seed, split="eval")
+    lines = []
+    try:
+        for policy in args.policy:
+            named = load_config(
+                args.config, overrides=[*args.set, *history, f"policy.path={policy}"]
+            )
+            path = resolve_policy(named, print)
+            model, tokenizer = load_policy(path, dtype="float32", device="cpu")
+            model.eval()
+            chat = ChatFormat(tokenizer)
+            for row in skill_by_turn(
+                model, chat, env, tasks, args.turns, window, args.expert_prob, args.seed
+            ):
+                line = {"policy": str(policy), "history": cfg.engine.history, **row}
+                lines.append(line)
+                print(
+                    f"{policy} ({cfg.engine.history}) turn {row['turn']}: top1 {row['top1']:.3f}"
+                    f", p_best {row['p_best']:.3f} over {row['states']} states",
+                    flush=True,
+                )
+    finally:
+        env.close()
+    if args.out:
+        Path(args.out).write_text(json.dumps(lines, indent=1))
+
+
+if __name__ == "__main__":
+    main()
