@@ -18,8 +18,7 @@ States where the episode has ended, or with no best action, are skipped (`states
 rest).
 
     python benchmarks/turn_skill.py --config sokoban2_grpo --policy tiny-warm RUN/checkpoints/latest
-    python benchmarks/turn_skill.py --config sokoban2_grpo --history last:1 \\
-        --set policy.warm.pretrain_episodes=2400 --set policy.warm.pretrain_epochs=3
+    python benchmarks/turn_skill.py --config sokoban2_grpo --history all
 
 `--policy` takes the config's names (`tiny-warm`: the config's warm build, with its `--set`
 overrides) or checkpoint directories. Prints one line per policy and turn, and writes them as
