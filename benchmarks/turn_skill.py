@@ -5,7 +5,8 @@ holds one observation. Rollouts also ask it on later turns, where the prompt hol
 so far (`engine.history: all`) or the task and the last k turns (`last:k`). This plays the noisy
 expert (`--expert-prob`, the warm start's demonstrator) for k turns on held-out tasks, lays the
 conversation out as the rollouts would (`windowed` for a window, tokenised by
-`example_from_messages`), and measures at the state reached, over the env's fixed action set:
+`example_from_messages`), and measures at the state reached, over the env's fixed action set
+(`action_skill`, the rule `first_move_skill` uses):
 
 - `top1`: the share of states where the policy's most likely action is a best one
   (`Env.best_actions`; Sokoban: about 0.27 for a policy that knows nothing);
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,57 +55,36 @@ def conversation_prompt(
     return ex.token_ids[:start]
 
 
-def skill_by_turn(
-    model: Any,
+def states_at_turn(
     chat: Any,
     env: Any,
     tasks: list[Any],
-    turns: list[int],
+    turn: int,
     window: int | None,
     expert_prob: float,
-    seed: int,
-) -> list[dict[str, Any]]:
-    """`top1` and `p_best` at turn k of the noisy expert's episodes, for each k of `turns`."""
-    import torch
+    rng: random.Random,
+) -> Iterator[tuple[list[int], list[str]]]:
+    """(prompt ids, best actions) at turn `turn` of the noisy expert's episode on each task that
+    is still going there and has a best action (`agentree.models.warm.action_skill`'s states)."""
+    from agentree.models.warm import scripted_action
 
-    from agentree.models.warm import action_probs, scripted_action
-
-    actions = list(env.action_set)
-    if not actions:
-        raise SystemExit(f"{type(env).__name__} has no fixed action set (Env.action_set)")
-    action_ids = [chat.encode(a) for a in actions]
-    rows = []
-    for k in turns:
-        rng = random.Random(seed * 1000 + k)
-        hits, mass, n = 0, 0.0, 0
-        for task in tasks:
-            obs, _ = env.reset(seed=task.seed, options=task.options)
-            messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
-            ended = False
-            for _ in range(k):
-                action = scripted_action(env, expert_prob, rng)
-                obs, _r, terminated, truncated, _info = env.step(action)
-                messages += [
-                    {"role": "assistant", "content": action},
-                    {"role": "user", "content": obs},
-                ]
-                if terminated or truncated:
-                    ended = True
-                    break
-            best = env.best_actions()
-            if ended or not best:
-                continue
-            with torch.no_grad():
-                p = action_probs(
-                    model,
-                    conversation_prompt(chat, messages, window, env.system_prompt),
-                    action_ids,
-                )
-            hits += actions[int(p.argmax())] in best
-            mass += float(sum(p[actions.index(a)] for a in best if a in actions))
-            n += 1
-        rows.append({"turn": k, "top1": hits / max(n, 1), "p_best": mass / max(n, 1), "states": n})
-    return rows
+    for task in tasks:
+        obs, _ = env.reset(seed=task.seed, options=task.options)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
+        ended = False
+        for _ in range(turn):
+            action = scripted_action(env, expert_prob, rng)
+            obs, _r, terminated, truncated, _info = env.step(action)
+            messages += [
+                {"role": "assistant", "content": action},
+                {"role": "user", "content": obs},
+            ]
+            if terminated or truncated:
+                ended = True
+                break
+        best = env.best_actions()
+        if not ended and best:
+            yield conversation_prompt(chat, messages, window, env.system_prompt), best
 
 
 def main() -> None:
@@ -129,6 +110,7 @@ def main() -> None:
     from agentree.config import load_config
     from agentree.envs.base import env_class
     from agentree.hub.load import load_policy
+    from agentree.models.warm import action_skill
     from agentree.policy import resolve_policy
 
     torch.set_num_threads(1)
@@ -148,9 +130,10 @@ def main() -> None:
             model, tokenizer = load_policy(path, dtype="float32", device="cpu")
             model.eval()
             chat = ChatFormat(tokenizer)
-            for row in skill_by_turn(
-                model, chat, env, tasks, args.turns, window, args.expert_prob, args.seed
-            ):
+            for k in args.turns:
+                rng = random.Random(args.seed * 1000 + k)
+                states = states_at_turn(chat, env, tasks, k, window, args.expert_prob, rng)
+                row = {"turn": k, **action_skill(model, chat, env, states)}
                 line = {"policy": str(policy), "history": cfg.engine.history, **row}
                 lines.append(line)
                 print(

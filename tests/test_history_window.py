@@ -72,6 +72,20 @@ def rollout(engine, history: int | None, name: str = "patr", seed: int = 0, **cf
 PATR = {"B0": 2, "K": 3, "M": 2, "top_k": 1, "alpha": 0.5, "theta": 99}
 
 
+def as_text(chat, nodes) -> list[dict[str, str]] | None:
+    """A trajectory's nodes as chat messages (the first observation, then each action and the
+    observation after it); None where a sampled action's text tokenises to other ids than
+    those sampled, so that text cannot reproduce the rollout."""
+    eot = chat.end_of_turn_id
+    if any(chat.encode(n.action) != [i for i in n.action_ids if i != eot] for n in nodes[1:]):
+        return None
+    messages = [{"role": "user", "content": nodes[0].observation}]
+    for n in nodes[1:]:
+        messages += [{"role": "assistant", "content": n.action}]
+        messages += [{"role": "user", "content": n.observation}]
+    return messages
+
+
 def test_window_prompt_by_hand():
     """Root + last k turns, every id as stored; the training samples of a trajectory are its
     turns, loss only on each turn's action, advantages carried per node."""
@@ -130,14 +144,9 @@ def test_windowed_demonstrations_are_the_rollouts_turn_samples(engine):
     for tree, group in zip(trees, groups, strict=True):
         for traj in group:
             nodes = [tree.nodes[i] for i in traj.nodes]
-            if any(
-                chat.encode(n.action) != [i for i in n.action_ids if i != eot] for n in nodes[1:]
-            ):
+            messages = as_text(chat, nodes)
+            if messages is None:
                 continue  # sampled ids whose text tokenises another way: SFT sees the text
-            messages = [{"role": "user", "content": nodes[0].observation}]
-            for n in nodes[1:]:
-                messages += [{"role": "assistant", "content": n.action}]
-                messages += [{"role": "user", "content": n.observation}]
             examples = [example_from_messages(chat, c, system) for c in windowed(messages, k)]
             samples = tree.turn_trajectories(traj)
             assert len(examples) == len(samples) == len(nodes) - 1
@@ -295,19 +304,15 @@ def test_turn_skill_probes_the_prompts_the_rollouts_sample_against(engine, k):
     trees, _, groups = rollout(engine, k, **PATR)
     sampled = {p for p, _, _ in engine.sampled}
     chat = ChatFormat(engine.tokenizer)
-    eot = chat.end_of_turn_id
     system = make_env("frozenlake").system_prompt
     checked = 0
     for tree, group in zip(trees, groups, strict=True):
         for traj in group:
-            nodes = [tree.nodes[i] for i in traj.nodes]
-            messages = [{"role": "user", "content": nodes[0].observation}]
-            for n in nodes[1:]:
-                if chat.encode(n.action) != [i for i in n.action_ids if i != eot]:
-                    break  # sampled ids whose text tokenises another way: the probe sees text
-                prompt = turn_skill.conversation_prompt(chat, messages, k, system)
+            messages = as_text(chat, [tree.nodes[i] for i in traj.nodes])
+            if messages is None:
+                continue  # sampled ids whose text tokenises another way: the probe sees text
+            for t in range(len(traj.nodes) - 1):  # each turn's prompt: the episode before it
+                prompt = turn_skill.conversation_prompt(chat, messages[: 2 * t + 1], k, system)
                 assert tuple(prompt) in sampled
                 checked += 1
-                messages += [{"role": "assistant", "content": n.action}]
-                messages += [{"role": "user", "content": n.observation}]
     assert checked > len(trees) * 2  # later turns too, not only the first

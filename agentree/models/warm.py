@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -182,14 +182,36 @@ def first_move_skill(
     model: Any, chat: Any, env: Env, tasks: Sequence[Any], prefix: Sequence[int] = ()
 ) -> dict[str, float]:
     """What a policy knows against what it samples, on the first action of `tasks`, for an env
-    with a small fixed action set (`Env.action_set`) and `Env.best_actions`.
+    with a small fixed action set (`Env.action_set`) and `Env.best_actions` (`action_skill`
+    over each task's first observation; `maps` counts the tasks with a best action).
 
-    `top1`: share of tasks where the policy's most likely action is a best one (FrozenLake:
-    about 0.31 for a policy that knows only which moves stay on the map; Sokoban: about 0.27
-    for one that knows nothing, as most rooms have one shortest first move); `p_best`: the
-    mean probability it puts on best actions, which is what sampling at temperature 1 gets.
-    Probabilities are over `env.action_set` only (an action of several tokens: the product of
-    its tokens'); `prefix` goes before every prompt.
+    `top1` for a policy that knows nothing much: FrozenLake about 0.31 (it knows only which
+    moves stay on the map), Sokoban about 0.27 (most rooms have one shortest first move).
+    `prefix` goes before every prompt.
+    """
+
+    def first_states() -> Iterator[tuple[list[int], list[str]]]:
+        for task in tasks:
+            obs, _ = env.reset(seed=task.seed, options=task.options)
+            best = env.best_actions()
+            if best:
+                yield [*prefix, *chat.prompt_ids(obs)], best
+
+    skill = action_skill(model, chat, env, first_states())
+    return {"top1": skill["top1"], "p_best": skill["p_best"], "maps": skill["states"]}
+
+
+def action_skill(
+    model: Any, chat: Any, env: Env, states: Iterable[tuple[Sequence[int], Sequence[str]]]
+) -> dict[str, float]:
+    """What a policy knows against what it samples over `states`, each the prompt ids it is
+    asked with and the env's best actions there (`Env.best_actions`), for an env with a small
+    fixed action set (`Env.action_set`).
+
+    `top1`: share of states where the policy's most likely action is a best one; `p_best`: the
+    mean probability it puts on best actions, which is what sampling at temperature 1 gets;
+    `states`: how many. Probabilities are over `env.action_set` only (an action of several
+    tokens: the product of its tokens').
     """
     # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
     # this module
@@ -201,16 +223,12 @@ def first_move_skill(
     action_ids = [chat.encode(a) for a in actions]
     hits, mass, n = 0, 0.0, 0
     with torch.no_grad():
-        for task in tasks:
-            obs, _ = env.reset(seed=task.seed, options=task.options)
-            best = env.best_actions()
-            if not best:
-                continue
-            p = action_probs(model, [*prefix, *chat.prompt_ids(obs)], action_ids)
+        for prompt, best in states:
+            p = action_probs(model, prompt, action_ids)
             hits += actions[int(p.argmax())] in best
             mass += float(sum(p[actions.index(a)] for a in best if a in actions))
             n += 1
-    return {"top1": hits / max(n, 1), "p_best": mass / max(n, 1), "maps": n}
+    return {"top1": hits / max(n, 1), "p_best": mass / max(n, 1), "states": n}
 
 
 def action_probs(model: Any, prompt: Sequence[int], actions: Sequence[Sequence[int]]) -> Any:
