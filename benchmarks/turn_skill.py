@@ -67,24 +67,23 @@ def states_at_turn(
     """(prompt ids, best actions) at turn `turn` of the noisy expert's episode on each task that
     is still going there and has a best action (`agentree.models.warm.action_skill`'s states)."""
     from agentree.models.warm import scripted_action
+    from agentree.rollout.turn.turns import scripted_episode
 
     for task in tasks:
-        obs, _ = env.reset(seed=task.seed, options=task.options)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
-        ended = False
-        for _ in range(turn):
-            action = scripted_action(env, expert_prob, rng)
-            obs, _r, terminated, truncated, _info = env.step(action)
-            messages += [
-                {"role": "assistant", "content": action},
-                {"role": "user", "content": obs},
-            ]
-            if terminated or truncated:
-                ended = True
-                break
+        tree = scripted_episode(
+            env, task, lambda _t, _h: scripted_action(env, expert_prob, rng), max_steps=turn
+        )
+        root, *path = tree.nodes
         best = env.best_actions()
-        if not ended and best:
-            yield conversation_prompt(chat, messages, window, env.system_prompt), best
+        if (path and path[-1].end_reason is not None) or not best:
+            continue  # the episode ended before this turn, or no move is best here
+        messages: list[dict[str, Any]] = [{"role": "user", "content": root.observation}]
+        for n in path:
+            messages += [
+                {"role": "assistant", "content": n.action},
+                {"role": "user", "content": n.observation},
+            ]
+        yield conversation_prompt(chat, messages, window, env.system_prompt), best
 
 
 def main() -> None:

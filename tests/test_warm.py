@@ -8,10 +8,11 @@ import random
 import pytest
 
 from agentree.config import load_config
-from agentree.envs import Env, has_expert
+from agentree.envs import Env, Task, has_expert
 from agentree.envs.countdown import CountdownEnv
 from agentree.envs.frozenlake import FrozenLakeEnv, distances_to_goal, shortest_path, valid_moves
 from agentree.models.warm import scripted_action, walker_success
+from agentree.rollout.turn.turns import scripted_episode
 
 MAP = ["SFFF", "FHFH", "FFFH", "HFFG"]
 _DELTA = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
@@ -58,6 +59,24 @@ def test_noisy_expert_draws_once_then_takes_the_expert_or_the_walker() -> None:
         action = scripted_action(env, 0.4, mine)
         expected = "```Down```" if ref.random() < 0.4 else f"```{ref.choice(['Down', 'Right'])}```"
         assert action == expected and mine.random() == ref.random()
+
+
+def test_a_scripted_episode_stops_after_max_steps_in_the_state_reached() -> None:
+    """The expert's path on MAP is 6 steps, Down, Down, Right first: `max_steps` 3 records
+    those three, leaves the leaf unended and the env on (2, 1), 3 steps from the goal by Down
+    or by Right; 0 records the reset only; 99 plays the episode to its end."""
+    task = Task(id="map", seed=0, options={"desc": MAP})
+    expert = lambda _task, _history: scripted_action(env, 1.0, random.Random(0))  # noqa: E731
+    env = FrozenLakeEnv()
+    tree = scripted_episode(env, task, expert, max_steps=3)
+    path = tree.nodes[1:]
+    assert [n.action for n in path] == ["```Down```", "```Down```", "```Right```"]
+    assert path[-1].end_reason is None and not path[-1].terminated
+    assert env.snapshot()["s"] == 2 * len(MAP[0]) + 1
+    assert env.best_actions() == ["```Down```", "```Right```"]
+    assert len(scripted_episode(env, task, expert, max_steps=0).nodes) == 1
+    full = scripted_episode(env, task, expert, max_steps=99)
+    assert len(full.nodes) == 7 and full.nodes[-1].end_reason is not None
 
 
 def test_an_env_without_an_expert_says_so() -> None:

@@ -468,6 +468,7 @@ def scripted_episode(
     *,
     tree: Tree | None = None,
     stop: threading.Event | None = None,
+    max_steps: int | None = None,
 ) -> Tree:
     """One episode of a scripted policy (an env's expert, walker or sanity policy: no engine,
     one action a turn) on `env` from `task`, recorded as a one-path tree in the same shape as a
@@ -477,13 +478,14 @@ def scripted_episode(
 
     `tree` is filled in place when given, so a caller that records failures keeps the steps
     taken before an error; `stop` set ends the episode with `KeyboardInterrupt` before its next
-    step. Errors propagate.
+    step. `max_steps` stops it after that many steps, its leaf not ended and `env` left in the
+    state reached (a probe of the states an episode passes through). Errors propagate.
     """
     tree = Tree(task.id, task.to_dict()) if tree is None else tree
     obs, info = reset_task(env, task)
     tree.add_root(obs, [], {"env": info})
     node, history = 0, []
-    while True:
+    while max_steps is None or len(history) < max_steps:
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt
         action = policy(task, history)
@@ -502,3 +504,4 @@ def scripted_episode(
         if terminated or truncated:
             child.end_reason = EndReason.COMPLETED if terminated else EndReason.MAX_TURNS
             return tree
+    return tree
