@@ -44,9 +44,12 @@ Each (env, method, level) is written to `DIR/<label>/<method>/<policy>-T<tempera
 soon as it finishes and skipped when present, so a stopped run resumes where it stopped. `DIR/
 summary.json` holds {"budget": {label: N}, "levels": {label: [{"policy", "temperature",
 "base_success"}]},
-"mechanism": {label: {method: {"base_success": [...], "informative_share": [...], ...}}}}
-(lists aligned with the levels, sorted by base success), and `DIR/<label>_mechanism.png` plots
-the informative-group share against base success, a line per method.
+"mechanism": {label: {method: {"base_success": [...], "informative_share": [...], ...}}},
+"paired": {label: [{"policy", "temperature", "patr - grpo": {"diff", "se", ...}, ...}]}}
+(lists aligned with the levels, sorted by base success; `paired` compares methods task by task
+on the same tasks, so its standard errors are those of a difference), and
+`DIR/<label>_mechanism.png` plots the informative-group share against base success, a line per
+method.
 """
 
 from __future__ import annotations
@@ -87,17 +90,20 @@ METRICS = (
 )
 
 
-def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str, float]:
-    """The raw counts of one rollout; `metrics` turns summed counts into the reported rates."""
-    out = {"tasks": 0, "informative": 0, "empty": 0, "trajectories": 0, "successes": 0}
-    out["mixed_outcomes"] = 0
-    out["states"] = 0
+def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str, Any]:
+    """The raw counts of one rollout; `metrics` turns summed counts into the reported rates.
+    `mixed_by_task` keeps each task's outcome flag (1: its group holds a success and a
+    failure), in task order, so two methods can be compared task by task."""
+    out: dict[str, Any] = {"tasks": 0, "informative": 0, "empty": 0, "trajectories": 0}
+    out.update(successes=0, mixed_outcomes=0, states=0, mixed_by_task=[])
     for tree in trees:
         group = controller.group(tree)
+        mixed = int(len({tree.success(t.leaf) for t in group}) > 1)
         out["tasks"] += 1
         out["empty"] += not group
         out["informative"] += len({t.reward for t in group}) > 1
-        out["mixed_outcomes"] += len({tree.success(t.leaf) for t in group}) > 1
+        out["mixed_outcomes"] += mixed
+        out["mixed_by_task"].append(mixed)
         out["trajectories"] += len(group)
         out["successes"] += sum(tree.success(t.leaf) for t in group)
         out["states"] += len({node_state_key(tree, n.id) for n in tree.nodes})
@@ -107,7 +113,7 @@ def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str,
     return out
 
 
-def metrics(c: dict[str, float]) -> dict[str, float]:
+def metrics(c: dict[str, Any]) -> dict[str, float]:
     steps, tasks = max(c["env_steps"], 1), max(c["tasks"], 1)
     return {
         "informative_share": c["informative"] / tasks,
@@ -148,7 +154,7 @@ def run_level(
     """One method at one level (`policy`, the engine's, at `temperature`) over every task, in
     batches of `--batch` tasks."""
     controller = make_controller(method, **run_settings(settings, args))
-    total: dict[str, float] = {}
+    total: dict[str, Any] = {}
     t0 = time.perf_counter()
     rt.engine.seed(args.seed)
     rng = random.Random(args.seed)
@@ -159,7 +165,7 @@ def run_level(
         # the controller itself, not `Rollouts.rollout`: an empty group is a measurement here
         trees, stats = controller.rollout(tasks[i : i + args.batch], ctx)
         for k, v in counts(controller, trees, stats).items():
-            total[k] = total.get(k, 0) + v
+            total[k] = [*total.get(k, []), *v] if isinstance(v, list) else total.get(k, 0) + v
         done = min(i + args.batch, len(tasks))
         if done < len(tasks):  # progress on long levels (BabyAI: minutes a batch)
             print(
@@ -254,9 +260,30 @@ def measure_policy(
         rt.close()
 
 
+PAIRS = (("patr", "tree-random"),)
+"""Pairs compared task by task besides every method against `grpo`: PATR's scorer against
+random branch points."""
+
+
+def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Method a's outcome-informative share minus method b's, task by task over the same tasks:
+    the mean difference, its standard error (sample std of the per-task differences / sqrt n),
+    and the tasks where only a's group, or only b's, holds both outcomes. None for runs
+    measured before the per-task flags were kept."""
+    x, y = a["counts"].get("mixed_by_task"), b["counts"].get("mixed_by_task")
+    if not x or not y or len(x) != len(y):
+        return None
+    d = [i - j for i, j in zip(x, y, strict=True)]
+    n, mean = len(d), sum(d) / len(d)
+    se = (sum((v - mean) ** 2 for v in d) / (n - 1) / n) ** 0.5 if n > 1 else None
+    return {"diff": mean, "se": se, "tasks": n, "only_a": d.count(1), "only_b": d.count(-1)}
+
+
 def summarize(out: Path) -> dict[str, Any]:
-    """summary.json over every env and level found under `out`, and one plot per env."""
-    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}}
+    """summary.json over every env and level found under `out`, and one plot per env;
+    `paired` holds, per env and level, each method against GRPO (and the `PAIRS`) task by task
+    (see `paired`)."""
+    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}, "paired": {}}
     for env_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         results: dict[str, dict[tuple[str, float], dict[str, Any]]] = {}
         for f in sorted(env_dir.glob("*/*.json")):
@@ -280,6 +307,19 @@ def summarize(out: Path) -> dict[str, Any]:
                 **{m: [by_level[lv].get(m) for lv in lvs] for m in METRICS},
             }
         summary["mechanism"][env_dir.name] = mech
+        pairs = [(m, "grpo") for m in results if m != "grpo"] + list(PAIRS)
+        summary["paired"][env_dir.name] = [
+            {
+                "policy": p,
+                "temperature": t,
+                **{
+                    f"{a} - {b}": paired(results[a][(p, t)], results[b][(p, t)])
+                    for a, b in pairs
+                    if (p, t) in results.get(a, {}) and (p, t) in results.get(b, {})
+                },
+            }
+            for p, t in levels
+        ]
         plot(env_dir.name, mech, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

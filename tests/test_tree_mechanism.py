@@ -74,6 +74,28 @@ def test_counts_and_rates_by_hand(bench):
     assert m["forward_tokens_per_step"] == pytest.approx(80 / 8)
 
 
+def test_paired_differences_by_hand(bench):
+    """Four tasks; a's groups hold both outcomes on tasks 0, 1, 2, b's on 1 and 3: the per-task
+    differences are +1, 0, +1, -1, mean 1/4, sample variance (2 x (3/4)^2 + (1/4)^2 + (5/4)^2)
+    / 3 = 11/12, so the standard error is sqrt(11/12 / 4)."""
+    a = {"counts": {"mixed_by_task": [1, 1, 1, 0]}}
+    b = {"counts": {"mixed_by_task": [0, 1, 0, 1]}}
+    p = bench.paired(a, b)
+    assert p["diff"] == pytest.approx(0.25) and p["tasks"] == 4
+    assert p["se"] == pytest.approx((11 / 12 / 4) ** 0.5)
+    assert (p["only_a"], p["only_b"]) == (2, 1)
+    # runs from before the flags were kept, or over other tasks, are not paired
+    assert bench.paired({"counts": {}}, b) is None
+    assert bench.paired({"counts": {"mixed_by_task": [1, 0]}}, b) is None
+
+
+def test_the_per_task_flags_follow_the_task_order(bench):
+    a = tree("a", [[("A", 0.0), ("G", 1.0)], [("B", 0.0)]])
+    b = tree("b", [[("A", 0.0)], [("A", 0.0)]])
+    counts = bench.counts(make_controller("grpo"), [b, a], RolloutStats(env_steps=4))
+    assert counts["mixed_by_task"] == [0, 1] and counts["mixed_outcomes"] == 1
+
+
 def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny_frozenlake):
     out = tmp_path / "mech"
     common = ["--out", str(out), "--tasks", "2", "--budget", "7", "--threads", "1"]
@@ -87,6 +109,11 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
         assert 7 - 4 <= m["env_steps_per_task"][0] <= 7
         assert 0.0 <= m["informative_share"][0] <= 1.0
     assert mech["grpo"]["base_success"] == mech["grpo"]["success_rate"]
+    (pair,) = summary["paired"]["frozenlake"]
+    grpo_run = json.loads((out / "frozenlake" / "grpo" / "tiny-T1.json").read_text())
+    assert len(grpo_run["counts"]["mixed_by_task"]) == 2
+    shares = {m: mech[m]["outcome_informative_share"][0] for m in mech}
+    assert pair["patr - grpo"]["diff"] == pytest.approx(shares["patr"] - shares["grpo"])
     assert (out / "frozenlake_mechanism.png").stat().st_size > 0
     first = (out / "frozenlake" / "patr" / "tiny-T1.json").read_text()
     assert "2 runs to do" in capsys.readouterr().out
