@@ -95,15 +95,13 @@ def counts(controller: Any, trees: list[Tree], stats: RolloutStats) -> dict[str,
     `mixed_by_task` keeps each task's outcome flag (1: its group holds a success and a
     failure), in task order, so two methods can be compared task by task."""
     out: dict[str, Any] = {"tasks": 0, "informative": 0, "empty": 0, "trajectories": 0}
-    out.update(successes=0, mixed_outcomes=0, states=0, mixed_by_task=[])
+    out.update(successes=0, states=0, mixed_by_task=[])
     for tree in trees:
         group = controller.group(tree)
-        mixed = int(len({tree.success(t.leaf) for t in group}) > 1)
         out["tasks"] += 1
         out["empty"] += not group
         out["informative"] += len({t.reward for t in group}) > 1
-        out["mixed_outcomes"] += mixed
-        out["mixed_by_task"].append(mixed)
+        out["mixed_by_task"].append(int(len({tree.success(t.leaf) for t in group}) > 1))
         out["trajectories"] += len(group)
         out["successes"] += sum(tree.success(t.leaf) for t in group)
         out["states"] += len({node_state_key(tree, n.id) for n in tree.nodes})
@@ -119,7 +117,7 @@ def metrics(c: dict[str, Any]) -> dict[str, float]:
         "informative_share": c["informative"] / tasks,
         # groups that hold both a success and a failure: the task's outcome signal alone (an
         # invalid-action penalty makes rewards differ without any success)
-        "outcome_informative_share": c.get("mixed_outcomes", 0) / tasks,
+        "outcome_informative_share": sum(c["mixed_by_task"]) / tasks,
         "informative_per_1k_steps": 1000 * c["informative"] / steps,
         "successes_per_1k_steps": 1000 * c["successes"] / steps,
         "success_rate": c["successes"] / max(c["trajectories"], 1),
