@@ -129,7 +129,11 @@ def test_models_build_fills_the_cache_that_a_run_and_models_list_read(
 
 def test_a_build_records_the_sha256_of_its_weights(tmp_path: Path) -> None:
     import hashlib
+    import importlib.metadata
     import json
+
+    import torch
+    import transformers
 
     from agentree.hub.store import BUILD_META, weights_sha256
 
@@ -143,7 +147,13 @@ def test_a_build_records_the_sha256_of_its_weights(tmp_path: Path) -> None:
 
     target = build_once(tmp_path / "tiny-warm" / "k1", write, log=None)
     expected = hashlib.sha256(weights).hexdigest()
-    assert json.loads((target / BUILD_META).read_text()) == {"weights_sha256": expected}
+    meta = json.loads((target / BUILD_META).read_text())
+    assert meta["weights_sha256"] == expected
+    # with the versions of what shaped the weights, as the libraries themselves report them
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["versions"]["transformers"] == transformers.__version__
+    assert meta["versions"]["numpy"] == importlib.metadata.version("numpy")
+    assert set(meta) == {"weights_sha256", "versions"}
     assert weights_sha256(target) == expected
     # a checkpoint outside the cache is hashed from its files; shards in name order
     shards = tmp_path / "sharded"

@@ -12,7 +12,9 @@ written by `build_once`:
 - it says what it builds and about how long that takes before it starts;
 - it records the sha256 of the weights it wrote (`weights_sha256`) in `BUILD_META` beside them:
   the same recipe key has given different weights on different machines (thread counts,
-  library versions), so a result names the weights it came from, not only the recipe.
+  library versions), so a result names the weights it came from, not only the recipe; the
+  versions of the libraries that shape the weights (`LIBRARIES`) are recorded with it, so two
+  builds of one recipe that differ can be told apart by what was installed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -32,7 +35,11 @@ from agentree.signals import interrupt_on_sigterm
 
 Log = Callable[[str], None]
 BUILD_META = "agentree-build.json"
-"""A build's metadata file: `{"weights_sha256": ...}`."""
+"""A build's metadata file: `{"weights_sha256": ..., "versions": {library: version}}`."""
+LIBRARIES = ("torch", "transformers", "tokenizers", "numpy", "minigrid", "gymnasium")
+"""What a build's weights depend on besides its recipe: the model and its training (torch,
+transformers), the tokenizer, the seeded sampling of demonstrations (numpy) and the games that
+draw them (BabyAI's minigrid on gymnasium)."""
 
 
 def to_stderr(msg: str) -> None:
@@ -87,7 +94,8 @@ def build_once(
                 partial.mkdir()
                 write(partial)
                 # hashed from the files, never from a metadata file a build copied from its base
-                _write_meta(partial, {"weights_sha256": _hash_weights(partial)})
+                meta = {"weights_sha256": _hash_weights(partial), "versions": library_versions()}
+                _write_meta(partial, meta)
                 if target.exists():  # an old unfinished layout; the lock makes this ours
                     shutil.rmtree(target)
                 partial.rename(target)
@@ -110,6 +118,15 @@ def weights_sha256(model_dir: Path | str) -> str | None:
         if digest:
             return str(digest)
     return _hash_weights(model_dir)
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of `LIBRARIES` (those not installed are left out)."""
+    out: dict[str, str] = {}
+    for name in LIBRARIES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    return out
 
 
 def _hash_weights(model_dir: Path) -> str | None:
