@@ -172,3 +172,19 @@ def test_a_build_records_the_sha256_of_its_weights(tmp_path: Path) -> None:
         log=None,
     )
     assert weights_sha256(other) != expected
+
+
+def test_the_constraints_file_pins_what_shapes_the_weights() -> None:
+    """`constraints.txt` (the README's install) pins one exact version of each library a build
+    records, and nothing else: the two lists are one rule."""
+    from packaging.requirements import Requirement
+
+    from agentree.hub.store import LIBRARIES
+
+    text = (Path(__file__).parents[1] / "constraints.txt").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    pins = [Requirement(line) for line in lines]
+    assert sorted(p.name for p in pins) == sorted(LIBRARIES)
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==" and "*" not in spec.version, pin
