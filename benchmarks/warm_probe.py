@@ -2,7 +2,8 @@
 
 Fine-tunes the locally built tiny policy on the noisy BFS expert's demonstrations (the data
 `tiny-warm` is built from) with the same loss as `agentree sft`, and every `--eval-every` steps
-reports its first-move accuracy on held-out 4x4 maps (or 6x6 Sokoban rooms with `--env sokoban`):
+reports its first-move accuracy on held-out 4x4 maps (`--size 8`: 8x8, as `frozenlake8_patr`; or
+6x6 Sokoban rooms with `--env sokoban`):
 the share of maps where its most likely move is a shortest-path move (`top1`), and the
 probability it puts on shortest-path moves (`p_best`), against about 31% / 32% for a FrozenLake
 policy that knows only which moves stay on the map and about 27% for a Sokoban policy that
@@ -14,6 +15,7 @@ moves) for the held-out success rate.
     python benchmarks/warm_probe.py --demos 8000 --first-turn --instructions
     python benchmarks/warm_probe.py --demos 2000 --epochs 3 --expert-prob 1.0 --episodes-sampled 4
     python benchmarks/warm_probe.py --env sokoban --demos 2400 --expert-prob 0.9 --layers 4
+    python benchmarks/warm_probe.py --size 8 --demos 8000 --first-turn --layers 8 --hidden 256
 
 `--first-turn` keeps only each demonstration's first move (a prompt holding one map);
 otherwise whole episodes are used, as `tiny-warm` does. `--instructions` puts the env's system
@@ -34,6 +36,7 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
+    ap.add_argument("--size", type=int, default=4, help="FrozenLake map side (8: 16 turns)")
     ap.add_argument("--demos", type=int, default=8000, help="demonstration episodes")
     ap.add_argument("--expert-prob", type=float, default=1.0, help="expert's share of moves")
     ap.add_argument("--first-turn", action="store_true", help="train on first moves only")
@@ -64,7 +67,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     env_kwargs: dict = {}
     if args.env == "frozenlake":
-        env_kwargs = {"size": 4, "p": 0.8, "max_turns": 10, "invalid_penalty": 0.1}
+        turns = 10 if args.size <= 4 else 2 * args.size  # frozenlake_patr's 10, frozenlake8's 16
+        env_kwargs = {"size": args.size, "p": 0.8, "max_turns": turns, "invalid_penalty": 0.1}
     shape = TinyModelConfig(
         vocab_size=160,
         num_layers=args.layers,
