@@ -36,7 +36,9 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
-    ap.add_argument("--size", type=int, default=4, help="FrozenLake map side (8: 16 turns)")
+    ap.add_argument(
+        "--size", type=int, choices=(4, 8), default=4, help="FrozenLake map side, as its config's"
+    )
     ap.add_argument("--demos", type=int, default=8000, help="demonstration episodes")
     ap.add_argument("--expert-prob", type=float, default=1.0, help="expert's share of moves")
     ap.add_argument("--first-turn", action="store_true", help="train on first moves only")
@@ -57,6 +59,7 @@ def main() -> None:
     import torch
 
     from agentree.chat import ChatFormat
+    from agentree.config import read_config_file
     from agentree.envs.base import env_class
     from agentree.hub.load import load_policy
     from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
@@ -67,8 +70,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     env_kwargs: dict = {}
     if args.env == "frozenlake":
-        turns = 10 if args.size <= 4 else 2 * args.size  # frozenlake_patr's 10, frozenlake8's 16
-        env_kwargs = {"size": args.size, "p": 0.8, "max_turns": turns, "invalid_penalty": 0.1}
+        # the env of the shipped config the warm start is built for
+        shipped = read_config_file("frozenlake_patr" if args.size == 4 else "frozenlake8_patr")
+        env_kwargs = {k: v for k, v in shipped["env"].items() if k != "name"}
     shape = TinyModelConfig(
         vocab_size=160,
         num_layers=args.layers,
