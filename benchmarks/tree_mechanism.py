@@ -21,7 +21,8 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
 
 Policy strength is swept by sampling temperature (`--temperatures`) and, optionally, by warm
 starts of different skill (`--policy A B ...`, default the env's warm start `tiny-warm`;
-`tiny-warm@0.6` is the config's warm start rebuilt with `policy.warm.expert_prob=0.6`): a level
+`tiny-warm@0.6` is the config's warm start rebuilt with `policy.warm.expert_prob=0.6`,
+`tiny-warm@0.9,pretrain_epochs=6` also with another field of the recipe): a level
 is one (policy, temperature), named by its base success rate, flat sampling's (`grpo`) success
 rate there. Choose levels that take it from about 2% to about 60% (the summary prints it per
 level; add levels and rerun: finished ones are kept). Methods use their controllers' defaults,
@@ -49,7 +50,9 @@ summary.json` holds {"budget": {label: N}, "levels": {label: [{"policy", "temper
 (lists aligned with the levels, sorted by base success; `paired` compares methods task by task
 on the same tasks, so its standard errors are those of a difference), and
 `DIR/<label>_mechanism.png` plots the informative-group share against base success, a line per
-method.
+method. `--merge SUMMARY...` joins the levels of earlier summaries (another directory's, or one
+kept in the docs) into this summary and plot: one table and one plot per env across runs, a
+level measured twice or an env at another budget refused.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +187,26 @@ def run_level(
     }
 
 
+def warm_recipe(policy: str) -> tuple[str, list[str]]:
+    """`tiny-warm@0.9,pretrain_epochs=6` -> ("tiny-warm", the `policy.warm` overrides): after the
+    `@`, comma-separated, a bare number is `expert_prob` and `key=value` any other field of the
+    warm recipe (`agentree.models.warm.WarmConfig`)."""
+    path, _, spec = policy.partition("@")
+    overrides = []
+    for part in filter(None, spec.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            try:
+                float(part)
+            except ValueError:
+                raise SystemExit(
+                    f"--policy {policy}: {part!r} is neither an expert probability nor key=value"
+                ) from None
+            key, value = "expert_prob", part
+        overrides.append(f"policy.warm.{key.strip()}={value.strip()}")
+    return path, overrides
+
+
 def policy_tag(policy: str) -> str:
     """A policy's name in file names: the last part of a path or hub id."""
     return policy.rstrip("/").rsplit("/", 1)[-1]
@@ -231,8 +255,7 @@ def measure_policy(
 ) -> None:
     """The `todo` (method, temperature) runs of one policy, on one engine."""
     out, label = Path(args.out), args.label
-    path, _, expert_prob = policy.partition("@")
-    warm = [f"policy.warm.expert_prob={expert_prob}"] if expert_prob else []
+    path, warm = warm_recipe(policy)
     cfg = load_config(
         args.config,
         select={"env": args.env, "rollout": "patr", "scorer": args.scorer, "policy": path},
@@ -277,50 +300,102 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
     return {"diff": mean, "se": se, "tasks": n, "only_a": d.count(1), "only_b": d.count(-1)}
 
 
-def summarize(out: Path) -> dict[str, Any]:
-    """summary.json over every env and level found under `out`, and one plot per env;
-    `paired` holds, per env and level, each method against GRPO (and the `PAIRS`) task by task
-    (see `paired`)."""
-    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}, "paired": {}}
+def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
+    """summary.json over every env and level found under `out` (and the levels of the earlier
+    summaries in `merge`), and one plot per env; `paired` holds, per env and level, each method
+    against GRPO (and the `PAIRS`) task by task (see `paired`)."""
+    envs: dict[str, dict[str, Any]] = {}  # label -> {"budget": N, "levels": {(policy, T): ...}}
     for env_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         results: dict[str, dict[tuple[str, float], dict[str, Any]]] = {}
+        budget = None
         for f in sorted(env_dir.glob("*/*.json")):
             r = json.loads(f.read_text())
             results.setdefault(r["method"], {})[(r["policy"], r["temperature"])] = r
-            summary["budget"][env_dir.name] = r["settings"]["env_step_budget"]
+            budget = r["settings"]["env_step_budget"]
         base = {lv: r["success_rate"] for lv, r in results.get("grpo", {}).items()}
         if not base:
             continue
-        levels = sorted(base, key=lambda lv: (base[lv], lv))
-        summary["levels"][env_dir.name] = [
-            {"policy": p, "temperature": t, "base_success": base[(p, t)]} for p, t in levels
+        pairs = [(m, "grpo") for m in results if m != "grpo"] + list(PAIRS)
+        envs[env_dir.name] = {
+            "budget": budget,
+            "levels": {
+                lv: {
+                    "base_success": b,
+                    "methods": {
+                        m: {k: by_level[lv].get(k) for k in METRICS}
+                        for m, by_level in results.items()
+                        if lv in by_level
+                    },
+                    "paired": {
+                        f"{a} - {b_}": paired(results[a][lv], results[b_][lv])
+                        for a, b_ in pairs
+                        if lv in results.get(a, {}) and lv in results.get(b_, {})
+                    },
+                }
+                for lv, b in base.items()
+            },
+        }
+    for path in merge:
+        merge_summary(envs, json.loads(path.read_text()), path)
+    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}, "paired": {}}
+    for label, env in sorted(envs.items()):
+        levels = env["levels"]
+        order = sorted(levels, key=lambda lv: (levels[lv]["base_success"], lv))
+        summary["budget"][label] = env["budget"]
+        summary["levels"][label] = [
+            {"policy": p, "temperature": t, "base_success": levels[(p, t)]["base_success"]}
+            for p, t in order
         ]
+        methods = dict.fromkeys(m for lv in levels.values() for m in lv["methods"])
         mech: dict[str, Any] = {}
-        for method, by_level in results.items():
-            lvs = [lv for lv in levels if lv in by_level]
+        for method in methods:
+            lvs = [lv for lv in order if method in levels[lv]["methods"]]
             mech[method] = {
                 "policy": [p for p, _ in lvs],
                 "temperature": [t for _, t in lvs],
-                "base_success": [base[lv] for lv in lvs],
-                **{m: [by_level[lv].get(m) for lv in lvs] for m in METRICS},
+                "base_success": [levels[lv]["base_success"] for lv in lvs],
+                **{k: [levels[lv]["methods"][method][k] for lv in lvs] for k in METRICS},
             }
-        summary["mechanism"][env_dir.name] = mech
-        pairs = [(m, "grpo") for m in results if m != "grpo"] + list(PAIRS)
-        summary["paired"][env_dir.name] = [
-            {
-                "policy": p,
-                "temperature": t,
-                **{
-                    f"{a} - {b}": paired(results[a][(p, t)], results[b][(p, t)])
-                    for a, b in pairs
-                    if (p, t) in results.get(a, {}) and (p, t) in results.get(b, {})
-                },
-            }
-            for p, t in levels
+        summary["mechanism"][label] = mech
+        summary["paired"][label] = [
+            {"policy": p, "temperature": t, **levels[(p, t)]["paired"]} for p, t in order
         ]
-        plot(env_dir.name, mech, out)
+        plot(label, mech, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def merge_summary(envs: dict[str, dict[str, Any]], earlier: dict[str, Any], path: Path) -> None:
+    """The levels of an earlier summary.json joined into `envs` (as `summarize` builds it): a
+    level measured twice, or an env at another budget, is refused rather than mixed in."""
+    for label, levels in earlier["levels"].items():
+        budget = earlier["budget"][label]
+        env = envs.setdefault(label, {"budget": budget, "levels": {}})
+        if env["budget"] != budget:
+            raise SystemExit(
+                f"{path}: {label} was measured at {budget} env steps a task, not "
+                f"{env['budget']}: levels of two budgets are not one table"
+            )
+        mech = earlier["mechanism"][label]
+        pairs = {
+            (p["policy"], p["temperature"]): p for p in earlier.get("paired", {}).get(label, [])
+        }
+        for level in levels:
+            lv = (level["policy"], level["temperature"])
+            if lv in env["levels"]:
+                raise SystemExit(f"{path}: {label} level {lv} is measured twice: merge it once")
+            methods = {}
+            for method, row in mech.items():
+                for i, at in enumerate(zip(row["policy"], row["temperature"], strict=True)):
+                    if at == lv:  # metrics an older summary lacks are None, as in the plot
+                        methods[method] = {k: row[k][i] if k in row else None for k in METRICS}
+            env["levels"][lv] = {
+                "base_success": level["base_success"],
+                "methods": methods,
+                "paired": {
+                    k: v for k, v in pairs.get(lv, {}).items() if k not in ("policy", "temperature")
+                },
+            }
 
 
 def plot(label: str, mech: dict[str, Any], out: Path) -> None:
@@ -367,7 +442,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["tiny-warm"],
         help="tiny-warm, tiny, paths or hub ids; tiny-warm@P is the warm start built with "
-        "policy.warm.expert_prob=P (a warm start of another skill, built once and cached)",
+        "policy.warm.expert_prob=P, tiny-warm@P,key=value,... with other policy.warm fields "
+        "too (warm starts of other skill, each built once and cached)",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="SUMMARY",
+        help="summary.json files of earlier runs (same env labels and budgets) whose levels "
+        "join this directory's in its summary and plots",
     )
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
@@ -405,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         measure(args)
-        summary = summarize(Path(args.out))
+        summary = summarize(Path(args.out), [Path(m) for m in args.merge])
     finally:
         if before:
             torch.set_num_threads(before)

@@ -132,3 +132,30 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
     # the same levels under other settings are another table: refused, not mixed in
     with pytest.raises(SystemExit, match=r"measured with .*'budget_reserve': False"):
         bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--budget-reserve"])
+    # an earlier summary's levels join another directory's: alone they come back unchanged;
+    # a level measured twice or at another budget is refused
+    (tmp_path / "empty").mkdir()
+    assert bench.summarize(tmp_path / "empty", [out / "summary.json"]) == summary
+    text = json.dumps(summary).replace('"tiny"', '"tiny-warm@0.9,epochs=3"')
+    moved = json.loads(text.replace(f'"{tiny_frozenlake.name}"', '"other"'))
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    merged = bench.summarize(out, [tmp_path / "moved.json"])
+    assert len(merged["levels"]["frozenlake"]) == 4
+    assert merged["mechanism"]["frozenlake"]["patr"]["policy"].count("tiny-warm@0.9,epochs=3") == 1
+    with pytest.raises(SystemExit, match="measured twice"):
+        bench.summarize(out, [out / "summary.json"])
+    moved["budget"]["frozenlake"] = 8
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    with pytest.raises(SystemExit, match="not one table"):
+        bench.summarize(out, [tmp_path / "moved.json"])
+
+
+def test_a_warm_recipe_after_the_at_sign(bench):
+    assert bench.warm_recipe("tiny-warm") == ("tiny-warm", [])
+    assert bench.warm_recipe("tiny-warm@0.6") == ("tiny-warm", ["policy.warm.expert_prob=0.6"])
+    assert bench.warm_recipe("tiny-warm@0.9,pretrain_epochs=6") == (
+        "tiny-warm",
+        ["policy.warm.expert_prob=0.9", "policy.warm.pretrain_epochs=6"],
+    )
+    with pytest.raises(SystemExit, match="neither an expert probability"):
+        bench.warm_recipe("tiny-warm@strong")
