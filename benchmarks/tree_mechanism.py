@@ -43,8 +43,8 @@ name), so one output directory can hold several envs.
 
 Each (env, method, level) is written to `DIR/<label>/<method>/<policy>-T<temperature>.json` as
 soon as it finishes and skipped when present, so a stopped run resumes where it stopped. `DIR/
-summary.json` holds {"budget": {label: N}, "levels": {label: [{"policy", "temperature",
-"base_success"}]},
+summary.json` holds {"budget": {label: N}, "budget_reserve": {label: bool}, "levels": {label:
+[{"policy", "temperature", "base_success"}]},
 "mechanism": {label: {method: {"base_success": [...], "informative_share": [...], ...}}},
 "paired": {label: [{"policy", "temperature", "patr - grpo": {"diff", "se", ...}, ...}]}}
 (lists aligned with the levels, sorted by base success; `paired` compares methods task by task
@@ -52,7 +52,9 @@ on the same tasks, so its standard errors are those of a difference), and
 `DIR/<label>_mechanism.png` plots the informative-group share against base success, a line per
 method. `--merge SUMMARY...` joins the levels of earlier summaries (another directory's, or one
 kept in the docs) into this summary and plot: one table and one plot per env across runs, a
-level measured twice or an env at another budget refused.
+level measured twice, or an env at another budget or under the other budget rule (with and
+without `--budget-reserve`), refused. Summaries written before the rule was recorded in them
+lack `budget_reserve`; their rule is unknown, so only the budget is checked for them.
 """
 
 from __future__ import annotations
@@ -304,7 +306,8 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
     """summary.json over every env and level found under `out` (and the levels of the earlier
     summaries in `merge`), and one plot per env; `paired` holds, per env and level, each method
     against GRPO (and the `PAIRS`) task by task (see `paired`)."""
-    envs: dict[str, dict[str, Any]] = {}  # label -> {"budget": N, "levels": {(policy, T): ...}}
+    # label -> {"budget": N, "budget_reserve": bool | None, "levels": {(policy, T): ...}}
+    envs: dict[str, dict[str, Any]] = {}
     for env_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         results: dict[str, dict[tuple[str, float], dict[str, Any]]] = {}
         budget = None
@@ -312,12 +315,22 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
             r = json.loads(f.read_text())
             results.setdefault(r["method"], {})[(r["policy"], r["temperature"])] = r
             budget = r["settings"]["env_step_budget"]
+        # one rule per directory (`measure` refuses a mix); a level file written before the
+        # rule existed ran without the reserve
+        reserve = {
+            r["settings"].get("budget_reserve", False)
+            for by_level in results.values()
+            for r in by_level.values()
+        }
+        if len(reserve) > 1:
+            raise SystemExit(f"{env_dir} holds levels with and without the budget reserve")
         base = {lv: r["success_rate"] for lv, r in results.get("grpo", {}).items()}
         if not base:
             continue
         pairs = [(m, "grpo") for m in results if m != "grpo"] + list(PAIRS)
         envs[env_dir.name] = {
             "budget": budget,
+            "budget_reserve": reserve.pop(),
             "levels": {
                 lv: {
                     "base_success": b,
@@ -337,11 +350,18 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
         }
     for path in merge:
         merge_summary(envs, json.loads(path.read_text()), path)
-    summary: dict[str, Any] = {"budget": {}, "levels": {}, "mechanism": {}, "paired": {}}
+    summary: dict[str, Any] = {
+        "budget": {},
+        "budget_reserve": {},
+        "levels": {},
+        "mechanism": {},
+        "paired": {},
+    }
     for label, env in sorted(envs.items()):
         levels = env["levels"]
         order = sorted(levels, key=lambda lv: (levels[lv]["base_success"], lv))
         summary["budget"][label] = env["budget"]
+        summary["budget_reserve"][label] = env["budget_reserve"]
         summary["levels"][label] = [
             {"policy": p, "temperature": t, "base_success": levels[(p, t)]["base_success"]}
             for p, t in order
@@ -367,15 +387,28 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
 
 def merge_summary(envs: dict[str, dict[str, Any]], earlier: dict[str, Any], path: Path) -> None:
     """The levels of an earlier summary.json joined into `envs` (as `summarize` builds it): a
-    level measured twice, or an env at another budget, is refused rather than mixed in."""
+    level measured twice, or an env at another budget or under the other budget rule, is
+    refused rather than mixed in. A summary that does not record its rule (`None`: written
+    before it was kept) joins on its budget alone."""
     for label, levels in earlier["levels"].items():
         budget = earlier["budget"][label]
-        env = envs.setdefault(label, {"budget": budget, "levels": {}})
+        reserve = earlier.get("budget_reserve", {}).get(label)
+        env = envs.setdefault(label, {"budget": budget, "budget_reserve": reserve, "levels": {}})
         if env["budget"] != budget:
             raise SystemExit(
                 f"{path}: {label} was measured at {budget} env steps a task, not "
                 f"{env['budget']}: levels of two budgets are not one table"
             )
+        if reserve is not None and env["budget_reserve"] is not None:
+            if reserve != env["budget_reserve"]:
+                rules = {True: "with", False: "without"}
+                raise SystemExit(
+                    f"{path}: {label} was measured {rules[reserve]} the budget reserve, the "
+                    f"other levels {rules[env['budget_reserve']]}: two budget rules are not "
+                    "one table"
+                )
+        elif env["budget_reserve"] is None:
+            env["budget_reserve"] = reserve
         mech = earlier["mechanism"][label]
         pairs = {
             (p["policy"], p["temperature"]): p for p in earlier.get("paired", {}).get(label, [])

@@ -104,6 +104,7 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
     summary = bench.main([*common, "--temperatures", "1", "--policy", "tiny"])
     mech = summary["mechanism"]["frozenlake"]
     assert set(mech) == {"grpo", "patr"} and summary["budget"] == {"frozenlake": 7}
+    assert summary["budget_reserve"] == {"frozenlake": False}
     for m in mech.values():
         assert len(m["informative_share"]) == len(m["base_success"]) == 1
         # the exact budget: at most 7 env steps per task, at least 7 - max_turns
@@ -144,6 +145,20 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
     assert merged["mechanism"]["frozenlake"]["patr"]["policy"].count("tiny-warm@0.9,epochs=3") == 1
     with pytest.raises(SystemExit, match="measured twice"):
         bench.summarize(out, [out / "summary.json"])
+    # levels measured under the other budget rule are refused; a summary that does not say
+    # its rule (written before it was recorded) joins on its budget alone
+    moved["budget_reserve"]["frozenlake"] = True
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    with pytest.raises(SystemExit, match="with the budget reserve, the other levels without"):
+        bench.summarize(out, [tmp_path / "moved.json"])
+    del moved["budget_reserve"]
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    assert bench.summarize(out, [tmp_path / "moved.json"])["budget_reserve"] == {
+        "frozenlake": False
+    }
+    assert bench.summarize(tmp_path / "empty", [tmp_path / "moved.json"])["budget_reserve"] == {
+        "frozenlake": None
+    }
     moved["budget"]["frozenlake"] = 8
     (tmp_path / "moved.json").write_text(json.dumps(moved))
     with pytest.raises(SystemExit, match="not one table"):
