@@ -32,7 +32,9 @@ most one of its searches (a beam of width W costs W x N steps a turn and would m
 
 Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|module:Class`,
 `--config`, `--set key=value`); `--label` names the env in the results (default: the env's
-name), so one output directory can hold several envs.
+name), so one output directory can hold several envs. `--seed` draws the tasks (and seeds the
+sampling); `--sample-seed S` reseeds only the sampling, so replicates of a level on the same
+tasks (each in its own `--out`) tell sampling noise from a method's effect.
 
     python benchmarks/tree_mechanism.py --out DIR --set env.size=8 --set env.max_turns=30 \\
         --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.5 0.8 1 1.3 1.7 2.2 3
@@ -160,8 +162,9 @@ def run_level(
     controller = make_controller(method, **run_settings(settings, args))
     total: dict[str, Any] = {}
     t0 = time.perf_counter()
-    rt.engine.seed(args.seed)
-    rng = random.Random(args.seed)
+    seed = args.seed if args.sample_seed is None else args.sample_seed
+    rt.engine.seed(seed)
+    rng = random.Random(seed)
     for i in range(0, len(tasks), args.batch):
         rt.engine.sync_weights(rt.model)  # a cold prefix cache: prefill counts compare
         ctx = rt.rollouts.context(temperature=temperature)
@@ -215,8 +218,12 @@ def policy_tag(policy: str) -> str:
 
 
 def run_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """A method's controller settings with the budget every method shares."""
-    return {**settings, "env_step_budget": args.budget, "budget_reserve": args.budget_reserve}
+    """A method's controller settings with the budget every method shares (and the sampling
+    seed, where `--sample-seed` gives one)."""
+    out = {**settings, "env_step_budget": args.budget, "budget_reserve": args.budget_reserve}
+    if args.sample_seed is not None:
+        out["sample_seed"] = args.sample_seed
+    return out
 
 
 def level_path(out: Path, label: str, method: str, policy: str, temperature: float) -> Path:
@@ -497,7 +504,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tasks", type=int, default=128, help="held-out tasks per level")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0, 1.4, 2.0, 3.0])
     ap.add_argument("--batch", type=int, default=32, help="tasks per rollout call")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the tasks, and the sampling's default")
+    ap.add_argument(
+        "--sample-seed",
+        type=int,
+        default=None,
+        help="the sampling seed (engine and branch points) apart from --seed: replicates on the "
+        "same tasks, each in its own --out",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args(argv)
     if args.budget < 1:

@@ -133,6 +133,8 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
     # the same levels under other settings are another table: refused, not mixed in
     with pytest.raises(SystemExit, match=r"measured with .*'budget_reserve': False"):
         bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--budget-reserve"])
+    with pytest.raises(SystemExit, match=r"not \{.*'sample_seed': 1\}"):
+        bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--sample-seed", "1"])
     # an earlier summary's levels join another directory's: alone they come back unchanged;
     # a level measured twice or at another budget is refused
     (tmp_path / "empty").mkdir()
