@@ -439,6 +439,9 @@ def merge_summary(envs: dict[str, dict[str, Any]], earlier: dict[str, Any], path
 
 
 def plot(label: str, mech: dict[str, Any], out: Path) -> None:
+    """Informative shares against base success: a colour per method and, where the levels span
+    several temperatures, a line per (method, temperature) through its policies (a line style
+    per temperature), so a line never zigzags between temperatures."""
     # deferred: matplotlib is only needed for the figure
     import matplotlib
 
@@ -451,19 +454,32 @@ def plot(label: str, mech: dict[str, Any], out: Path) -> None:
         ("informative_share", "groups whose rewards differ"),
         ("outcome_informative_share", "groups with a success and a failure"),
     )
+    temps = sorted({t for m in mech.values() for t in m["temperature"]})
+    styles = dict(zip(temps, ["-", "--", ":", "-."] * len(temps), strict=False))
     for ax, (key, title) in zip(axes, panels, strict=True):
-        for method, m in mech.items():
-            points = [
-                (b, v) for b, v in zip(m["base_success"], m[key], strict=True) if v is not None
-            ]
-            if points:  # levels measured before a metric existed have none
-                ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        for i, m in enumerate(mech.values()):
+            for t in temps:
+                points = sorted(
+                    (b, v)
+                    for b, v, at in zip(m["base_success"], m[key], m["temperature"], strict=True)
+                    if v is not None and at == t  # levels measured before a metric have none
+                )
+                if points:
+                    ax.plot(
+                        *zip(*points, strict=True), marker="o", color=f"C{i}", linestyle=styles[t]
+                    )
         ax.set_xlabel("base success rate (flat sampling)")
         ax.set_title(f"{label}: {title}")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share of groups (equal env steps per task)")
-    axes[0].legend()
+    # a legend entry per method (its colour) and, with several, per temperature (its style)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=f"C{i}", marker="o", label=m) for i, m in enumerate(mech)]
+    if len(temps) > 1:
+        handles += [Line2D([], [], color="k", linestyle=styles[t], label=f"T={t:g}") for t in temps]
+    axes[0].legend(handles=handles, fontsize="small", ncol=1 + (len(temps) > 1))
     fig.tight_layout()
     fig.savefig(out / f"{label}_mechanism.png", dpi=120)
     plt.close(fig)
