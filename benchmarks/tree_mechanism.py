@@ -185,7 +185,7 @@ def run_level(
         "method": method,
         "policy": policy_tag(policy),
         "temperature": temperature,
-        "settings": run_settings(settings, args),
+        "settings": recorded_settings(settings, args),
         "counts": total,
         **metrics(total),
         "wall_s": round(time.perf_counter() - t0, 2),
@@ -218,9 +218,14 @@ def policy_tag(policy: str) -> str:
 
 
 def run_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """A method's controller settings with the budget every method shares (and the sampling
-    seed, where `--sample-seed` gives one)."""
-    out = {**settings, "env_step_budget": args.budget, "budget_reserve": args.budget_reserve}
+    """A method's controller settings with the budget every method shares."""
+    return {**settings, "env_step_budget": args.budget, "budget_reserve": args.budget_reserve}
+
+
+def recorded_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """What a level's file records of how it was measured: the controller's settings and, where
+    `--sample-seed` gives one, the sampling seed (a level is resumed only under the same)."""
+    out = run_settings(settings, args)
     if args.sample_seed is not None:
         out["sample_seed"] = args.sample_seed
     return out
@@ -245,7 +250,7 @@ def measure(args: argparse.Namespace) -> None:
                     todo.append((m, t))
                     continue
                 kept = {"budget_reserve": False, **json.loads(path.read_text())["settings"]}
-                want = run_settings(settings[m], args)
+                want = recorded_settings(settings[m], args)
                 if kept != want:  # never mix two setups in one table
                     raise SystemExit(
                         f"{path} was measured with {kept}, not {want}: give these settings "
@@ -387,8 +392,9 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
         summary["paired"][label] = [
             {"policy": p, "temperature": t, **levels[(p, t)]["paired"]} for p, t in order
         ]
-        plot(label, mech, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for label, mech in summary["mechanism"].items():
+        plot(label, mech, out)
     return summary
 
 
@@ -442,8 +448,15 @@ def plot(label: str, mech: dict[str, Any], out: Path) -> None:
     """Informative shares against base success: a colour per method and, where the levels span
     several temperatures, a line per (method, temperature) through its policies (a line style
     per temperature), so a line never zigzags between temperatures."""
-    # deferred: matplotlib is only needed for the figure
-    import matplotlib
+    try:  # deferred: matplotlib is only needed for the figure (the `view` extra)
+        import matplotlib
+    except ModuleNotFoundError:
+        print(
+            f"no plot for {label}: matplotlib is not installed (pip install 'agentree[view]'); "
+            "summary.json holds every figure",
+            flush=True,
+        )
+        return
 
     matplotlib.use("Agg")
     # deferred: pyplot after the backend is chosen

@@ -135,6 +135,14 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
         bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--budget-reserve"])
     with pytest.raises(SystemExit, match=r"not \{.*'sample_seed': 1\}"):
         bench.main([*common, "--temperatures", "1", "--policy", "tiny", "--sample-seed", "1"])
+    # a replicate on the same tasks, reseeding the sampling alone: recorded with its seed
+    again = [*common[2:], "--out", str(tmp_path / "again"), "--temperatures", "1"]
+    bench.main([*again, "--policy", "tiny", "--sample-seed", "1", "--methods", "grpo"])
+    grpo_again = json.loads(
+        (tmp_path / "again" / "frozenlake" / "grpo" / "tiny-T1.json").read_text()
+    )
+    assert grpo_again["settings"] == {**grpo_run["settings"], "sample_seed": 1}
+    assert len(grpo_again["counts"]["mixed_by_task"]) == 2
     # an earlier summary's levels join another directory's: alone they come back unchanged;
     # a level measured twice or at another budget is refused
     (tmp_path / "empty").mkdir()

@@ -13,7 +13,10 @@ each and kill it (`-m "vllm and not slow"` skips them).
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,6 +314,36 @@ def test_skywork_prm_on_vllm_matches_transformers(tmp_path_factory) -> None:
         assert len(b.info["step_scores"]) == len(a.info["step_scores"]) > 0
         assert b.info["step_scores"] == pytest.approx(a.info["step_scores"], abs=TOL)
         assert b.value == pytest.approx(a.value, abs=TOL)
+
+
+def test_the_mechanism_benchmark_on_vllm(tmp_path, tiny_frozenlake) -> None:
+    """benchmarks/tree_mechanism.py with `engine.backend=vllm` (its own short-lived engine, as a
+    GPU user runs it for a real LM): every method keeps the exact budget, the tree shares its
+    prefixes through vLLM's cache, and the close leaves no engine process."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_mechanism.py"
+    spec = importlib.util.spec_from_file_location("tree_mechanism_vllm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before = _engine_pids()
+    out = tmp_path / "mech"
+    summary = bench.main(
+        [
+            *("--out", str(out), "--policy", str(tiny_frozenlake), "--tasks", "2"),
+            *("--budget", "12", "--temperatures", "1", "--methods", "grpo", "patr"),
+            *("--batch", "2", "--set", "engine.backend=vllm", "--set", "env.max_turns=4"),
+            *("--set", "engine.max_tokens=8"),
+            *("--set", f"engine.vllm.gpu_memory_utilization={SECOND_ENGINE_MEMORY}"),
+        ]
+    )
+    assert _engine_pids() == before
+    mech = summary["mechanism"]["frozenlake"]
+    for m in ("grpo", "patr"):
+        # at most 12 env steps a task, at least 12 - max_turns
+        assert 12 - 4 <= mech[m]["env_steps_per_task"][0] <= 12
+        assert mech[m]["forward_tokens_per_step"][0] > 0
+    level_file = out / "frozenlake" / "patr" / f"{tiny_frozenlake.name}-T1.json"
+    level = json.loads(level_file.read_text())
+    assert level["counts"]["trajectories"] >= 2 and len(level["counts"]["mixed_by_task"]) == 2
 
 
 CLIENT = """
