@@ -34,7 +34,9 @@ Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|
 `--config`, `--set key=value`); `--label` names the env in the results (default: the env's
 name), so one output directory can hold several envs. `--seed` draws the tasks (and seeds the
 sampling); `--sample-seed S` reseeds only the sampling, so replicates of a level on the same
-tasks (each in its own `--out`) tell sampling noise from a method's effect.
+tasks (each in its own `--out`) tell sampling noise from a method's effect; `--replicates DIR...`
+pools them (`replicates`: shares per replicate and their mean, methods paired task by task on
+the share over replicates) into `--out/replicates.json`.
 
     python benchmarks/tree_mechanism.py --out DIR --set env.size=8 --set env.max_turns=30 \\
         --label frozenlake8 --budget 120 --tasks 256 --temperatures 0.5 0.8 1 1.3 1.7 2.2 3
@@ -398,6 +400,56 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
     return summary
 
 
+def replicates(dirs: Sequence[Path]) -> dict[str, Any]:
+    """Levels measured in several directories on the same tasks under different sampling seeds
+    (`--sample-seed`), pooled: per env and level, each method's outcome-informative share in
+    every replicate and their mean, and each method against GRPO (and the `PAIRS`) task by task
+    on the per-task share over the replicates (a task counts 2/3 if two replicates of three held
+    both outcomes), so its standard error holds the sampling's spread as well as the tasks'.
+    Replicates must agree on everything but the sampling seed."""
+    runs: dict[tuple[str, str, float], dict[str, list[dict[str, Any]]]] = {}
+    for d in dirs:
+        for f in sorted(Path(d).glob("*/*/*.json")):
+            r = json.loads(f.read_text())
+            lv = (f.parent.parent.name, r["policy"], r["temperature"])
+            runs.setdefault(lv, {}).setdefault(r["method"], []).append(r)
+    out: dict[str, Any] = {}
+    for (label, policy, temperature), by_method in sorted(runs.items()):
+        shares, flags = {}, {}
+        for method, rs in by_method.items():
+            settings = [{k: v for k, v in r["settings"].items() if k != "sample_seed"} for r in rs]
+            # None: measured without --sample-seed, so sampled under the task seed
+            seeds = [r["settings"].get("sample_seed") for r in rs]
+            tasks = {len(r["counts"]["mixed_by_task"]) for r in rs}
+            if any(x != settings[0] for x in settings) or len(set(seeds)) < len(seeds):
+                raise SystemExit(
+                    f"{label} {policy} T={temperature:g} {method}: replicates must differ in "
+                    f"the sampling seed alone (seeds {seeds})"
+                )
+            if len(tasks) != 1:
+                raise SystemExit(f"{label} {policy} {method}: replicates on different task sets")
+            shares[method] = {
+                "seeds": seeds,
+                "per_replicate": [r["outcome_informative_share"] for r in rs],
+                "mean": sum(r["outcome_informative_share"] for r in rs) / len(rs),
+                "success_rate": sum(r["success_rate"] for r in rs) / len(rs),
+            }
+            per_task = zip(*(r["counts"]["mixed_by_task"] for r in rs), strict=True)
+            flags[method] = [sum(t) / len(rs) for t in per_task]
+        pairs = [(m, "grpo") for m in flags if m != "grpo"] + list(PAIRS)
+        diffs = {}
+        for a, b in pairs:
+            if a in flags and b in flags and len(flags[a]) == len(flags[b]):
+                d = [x - y for x, y in zip(flags[a], flags[b], strict=True)]
+                n, mean = len(d), sum(d) / len(d)
+                se = (sum((v - mean) ** 2 for v in d) / (n - 1) / n) ** 0.5 if n > 1 else None
+                diffs[f"{a} - {b}"] = {"diff": mean, "se": se, "tasks": n}
+        out.setdefault(label, []).append(
+            {"policy": policy, "temperature": temperature, "methods": shares, "paired": diffs}
+        )
+    return out
+
+
 def merge_summary(envs: dict[str, dict[str, Any]], earlier: dict[str, Any], path: Path) -> None:
     """The levels of an earlier summary.json joined into `envs` (as `summarize` builds it): a
     level measured twice, or an env at another budget or under the other budget rule, is
@@ -522,6 +574,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="summary.json files of earlier runs (same env labels and budgets) whose levels "
         "join this directory's in its summary and plots",
     )
+    ap.add_argument(
+        "--replicates",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="measure nothing: pool the levels of these --out directories (the same tasks, each "
+        "under its own --sample-seed) into --out/replicates.json",
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
     ap.add_argument("--budget", type=int, default=64, help="env steps per task, every method")
@@ -562,6 +622,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # slow every job down
         before = torch.get_num_threads()
         torch.set_num_threads(args.threads)
+    if args.replicates:
+        pooled = replicates([Path(d) for d in args.replicates])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "replicates.json").write_text(json.dumps(pooled, indent=1))
+        for label, levels in pooled.items():
+            for lv in levels:
+                means = ", ".join(f"{m} {v['mean']:.3f}" for m, v in lv["methods"].items())
+                print(f"{label} {lv['policy']} T={lv['temperature']:g}: {means}")
+                for k, v in lv["paired"].items():
+                    print(f"  {k}: {v['diff']:+.3f} +- {v['se']:.3f} ({v['tasks']} tasks)")
+        return pooled
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         measure(args)

@@ -143,6 +143,18 @@ def test_a_tiny_run_writes_its_summary_and_resumes(bench, tmp_path, capsys, tiny
     )
     assert grpo_again["settings"] == {**grpo_run["settings"], "sample_seed": 1}
     assert len(grpo_again["counts"]["mixed_by_task"]) == 2
+    # the two replicates pooled: per-task shares over the replicates, paired task by task
+    pooled = bench.replicates([out, tmp_path / "again"])["frozenlake"]
+    (level,) = [lv for lv in pooled if lv["policy"] == "tiny"]
+    flags = [grpo_run["counts"]["mixed_by_task"], grpo_again["counts"]["mixed_by_task"]]
+    assert level["methods"]["grpo"]["seeds"] == [None, 1]
+    assert level["methods"]["grpo"]["mean"] == pytest.approx(sum(map(sum, flags)) / 4)
+    patr_run = json.loads((out / "frozenlake" / "patr" / "tiny-T1.json").read_text())
+    patr_flags = patr_run["counts"]["mixed_by_task"]
+    diff = [p - (g0 + g1) / 2 for p, g0, g1 in zip(patr_flags, *flags, strict=True)]
+    assert level["paired"]["patr - grpo"]["diff"] == pytest.approx(sum(diff) / 2)
+    with pytest.raises(SystemExit, match="the sampling seed alone"):
+        bench.replicates([out, out])
     # an earlier summary's levels join another directory's: alone they come back unchanged;
     # a level measured twice or at another budget is refused
     (tmp_path / "empty").mkdir()
