@@ -302,18 +302,25 @@ PAIRS = (("patr", "tree-random"),)
 random branch points."""
 
 
-def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
-    """Method a's outcome-informative share minus method b's, task by task over the same tasks:
-    the mean difference, its standard error (sample std of the per-task differences / sqrt n),
-    and the tasks where only a's group, or only b's, holds both outcomes. None for runs
-    measured before the per-task flags were kept."""
-    x, y = a["counts"].get("mixed_by_task"), b["counts"].get("mixed_by_task")
-    if not x or not y or len(x) != len(y):
-        return None
+def task_difference(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
+    """Per-task values x minus y over the same tasks: the mean difference and its standard error
+    (sample std of the per-task differences / sqrt n; None for one task)."""
     d = [i - j for i, j in zip(x, y, strict=True)]
     n, mean = len(d), sum(d) / len(d)
     se = (sum((v - mean) ** 2 for v in d) / (n - 1) / n) ** 0.5 if n > 1 else None
-    return {"diff": mean, "se": se, "tasks": n, "only_a": d.count(1), "only_b": d.count(-1)}
+    return {"diff": mean, "se": se, "tasks": n}
+
+
+def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Method a's outcome-informative share minus method b's, task by task over the same tasks
+    (`task_difference`), and the tasks where only a's group, or only b's, holds both outcomes.
+    None for runs measured before the per-task flags were kept."""
+    x, y = a["counts"].get("mixed_by_task"), b["counts"].get("mixed_by_task")
+    if not x or not y or len(x) != len(y):
+        return None
+    only_a = sum(i > j for i, j in zip(x, y, strict=True))
+    only_b = sum(i < j for i, j in zip(x, y, strict=True))
+    return {**task_difference(x, y), "only_a": only_a, "only_b": only_b}
 
 
 def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
@@ -437,13 +444,11 @@ def replicates(dirs: Sequence[Path]) -> dict[str, Any]:
             per_task = zip(*(r["counts"]["mixed_by_task"] for r in rs), strict=True)
             flags[method] = [sum(t) / len(rs) for t in per_task]
         pairs = [(m, "grpo") for m in flags if m != "grpo"] + list(PAIRS)
-        diffs = {}
-        for a, b in pairs:
-            if a in flags and b in flags and len(flags[a]) == len(flags[b]):
-                d = [x - y for x, y in zip(flags[a], flags[b], strict=True)]
-                n, mean = len(d), sum(d) / len(d)
-                se = (sum((v - mean) ** 2 for v in d) / (n - 1) / n) ** 0.5 if n > 1 else None
-                diffs[f"{a} - {b}"] = {"diff": mean, "se": se, "tasks": n}
+        diffs = {
+            f"{a} - {b}": task_difference(flags[a], flags[b])
+            for a, b in pairs
+            if a in flags and b in flags and len(flags[a]) == len(flags[b])
+        }
         out.setdefault(label, []).append(
             {"policy": policy, "temperature": temperature, "methods": shares, "paired": diffs}
         )
@@ -613,16 +618,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    before = 0
-    if args.threads:
-        # deferred: torch is heavy and only the engine needs it
-        import torch
-
-        # one thread per job where several jobs share a few cores: oversubscribed threads
-        # slow every job down
-        before = torch.get_num_threads()
-        torch.set_num_threads(args.threads)
-    if args.replicates:
+    if args.replicates:  # measures nothing: no engine, no threads to set
         pooled = replicates([Path(d) for d in args.replicates])
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "replicates.json").write_text(json.dumps(pooled, indent=1))
@@ -633,6 +629,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for k, v in lv["paired"].items():
                     print(f"  {k}: {v['diff']:+.3f} +- {v['se']:.3f} ({v['tasks']} tasks)")
         return pooled
+    before = 0
+    if args.threads:
+        # deferred: torch is heavy and only the engine needs it
+        import torch
+
+        # one thread per job where several jobs share a few cores: oversubscribed threads
+        # slow every job down
+        before = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         measure(args)
