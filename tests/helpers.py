@@ -1,8 +1,13 @@
-"""Test doubles for the *policy* (never for the component under test)."""
+"""Test doubles for the *policy* (never for the component under test), and the loader the
+benchmark scripts' tests share."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from agentree.engines.base import Completion, EngineStats, SamplingParams
@@ -62,3 +67,17 @@ def interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` imported as module `name` (the scripts are not a package), and
+    registered in `sys.modules` so that what it defines can be pickled and inspected."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 from small_policy import WARM_2_LAYERS, metric_rows
 
 from agentree.config import load_config
@@ -22,11 +22,7 @@ PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_efficiency
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("learning_efficiency", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning_efficiency"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("learning_efficiency")
 
 
 def settings(args: list[str]) -> list[str]:
@@ -283,9 +279,7 @@ def lines(path: Path) -> list[str]:
 
 
 def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("field_tables", PATH.parent / "field_tables.py")
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = load_benchmark("field_tables")
     assert tables.interpolate([0, 40, 80], [0.2, 0.3, 0.5], 60) == pytest.approx(0.4)
     assert tables.interpolate([0, 40], [0.2, 0.3], 50) is None
     monkeypatch.setattr(bench, "plot", lambda *a, **k: None)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import load_benchmark
 
 from agentree.algorithms.advantages import compute_advantages
 from agentree.algorithms.packing import turn_samples
@@ -293,14 +294,7 @@ def test_turn_skill_probes_the_prompts_the_rollouts_sample_against(engine, k):
     """`benchmarks/turn_skill.py` asks the policy at turn t of an episode with the prompt it
     builds from the conversation so far (`conversation_prompt`): for the whole history and for
     a window, every such prompt is one the engine was asked to sample against in a rollout."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "turn_skill.py"
-    spec = importlib.util.spec_from_file_location("turn_skill", path)
-    assert spec and spec.loader
-    turn_skill = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(turn_skill)
+    turn_skill = load_benchmark("turn_skill")
     trees, _, groups = rollout(engine, k, **PATR)
     sampled = {p for p, _, _ in engine.sampled}
     chat = ChatFormat(engine.tokenizer)

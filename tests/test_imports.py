@@ -18,6 +18,8 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
+from helpers import load_benchmark
+
 import agentree
 
 ROOT = Path(agentree.__file__).parent
@@ -209,13 +211,7 @@ def test_one_training_step_goes_down_the_layers_once():
     so nothing is built but the model): no call goes up a layer (no callback back into the run
     or the seams) and the step enters no module beyond the 22 of docs/architecture.md's walk.
     The walk follows the env turns the turn runner plays on its worker threads."""
-    import importlib.util
-
-    path = Path(agentree.__file__).resolve().parents[1] / "benchmarks" / "step_walk.py"
-    spec = importlib.util.spec_from_file_location("step_walk", path)
-    assert spec is not None and spec.loader is not None
-    step_walk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_walk)
+    step_walk = load_benchmark("step_walk")
     overrides = ["train.steps=1", "policy.path=tiny", "train.tasks_per_step=2", "eval.tasks=1"]
     out = step_walk.walk(None, overrides)
     assert out["upward_calls"] == []

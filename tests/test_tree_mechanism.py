@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from agentree.rollout.base import RolloutStats, make_controller
 from agentree.tree import EndReason, Tree
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_mechanism.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("tree_mechanism", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tree_mechanism"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tree_mechanism")
 
 
 def tree(task: str, paths: list[list[tuple[str, float]]]) -> Tree:

@@ -13,14 +13,12 @@ each and kill it (`-m "vllm and not slow"` skips them).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import interruptible
+from helpers import interruptible, load_benchmark
 
 pytest.importorskip(
     "vllm", reason="vLLM is not installed (GPU: pip install agentree[vllm]; CPU: docs/vllm.md)"
@@ -318,12 +316,9 @@ def test_skywork_prm_on_vllm_matches_transformers(tmp_path_factory) -> None:
 
 def test_the_mechanism_benchmark_on_vllm(tmp_path, tiny_frozenlake) -> None:
     """benchmarks/tree_mechanism.py with `engine.backend=vllm` (its own short-lived engine, as a
-    GPU user runs it for a real LM): every method keeps the exact budget, the tree shares its
-    prefixes through vLLM's cache, and the close leaves no engine process."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_mechanism.py"
-    spec = importlib.util.spec_from_file_location("tree_mechanism_vllm", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    GPU user runs it for a real LM): every method keeps the exact budget and counts its forward
+    tokens, each level is written per task, and the close leaves no engine process."""
+    bench = load_benchmark("tree_mechanism")
     before = _engine_pids()
     out = tmp_path / "mech"
     summary = bench.main(
