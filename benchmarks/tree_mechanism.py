@@ -28,7 +28,10 @@ rate there. Choose levels that take it from about 2% to about 60% (the summary p
 level; add levels and rerun: finished ones are kept). Methods use their controllers' defaults,
 except TSR: best of 2 candidates per turn, one trajectory at a time (G=1), so the budget cuts at
 most one of its searches (a beam of width W costs W x N steps a turn and would mostly be cut);
-`--method-set tsr.mode=beam` changes one.
+`--method-set tsr.mode=beam` changes one. An ablation is a variant beside its controller:
+`--methods grpo tree-grpo tree-grpo-noroot=tree-grpo --method-set
+tree-grpo-noroot.expand_root=false` measures both at every level (the variant's files record the
+controller they ran) and pairs the variant with Tree-GRPO task by task as well as with GRPO.
 
 Any env and scorer a user can name work (`--env NAME|module:Class --scorer NAME|module:Class`,
 `--config`, `--set key=value`); `--label` names the env in the results (default: the env's
@@ -74,7 +77,7 @@ from typing import Any
 from agentree.algorithms.advantages import node_state_key
 from agentree.config import load_config, parse_override
 from agentree.envs.base import Task
-from agentree.rollout.base import RolloutStats, make_controller
+from agentree.rollout.base import RolloutStats, controller_names, make_controller
 from agentree.run.runtime import Runtime
 from agentree.tree import Tree
 
@@ -140,8 +143,21 @@ def metrics(c: dict[str, Any]) -> dict[str, float]:
 
 
 def method_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each method's controller settings: the defaults above, `--method-set` on top."""
-    out = {m: dict(METHODS.get(m, {})) for m in args.methods}
+    """Each method's controller settings: the defaults above, `--method-set` on top. A variant
+    (`NAME=CONTROLLER` in `--methods`) starts from its controller's defaults and records the
+    controller it runs (`controller`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in args.methods:
+        name, eq, base = spec.partition("=")
+        if not eq:
+            out[name] = dict(METHODS.get(name, {}))
+            continue
+        if name in controller_names() or base not in controller_names():
+            raise ValueError(
+                f"--methods {spec}: a variant is NEW_NAME=CONTROLLER, its name not a "
+                f"controller's and CONTROLLER one of {controller_names()}"
+            )
+        out[name] = {"controller": base, **METHODS.get(base, {})}
     for item in args.method_set:
         keys, value = parse_override(item)
         if len(keys) != 2 or keys[0] not in out:
@@ -161,7 +177,8 @@ def run_level(
 ) -> dict[str, Any]:
     """One method at one level (`policy`, the engine's, at `temperature`) over every task, in
     batches of `--batch` tasks."""
-    controller = make_controller(method, **run_settings(settings, args))
+    kwargs = run_settings(settings, args)
+    controller = make_controller(kwargs.pop("controller", method), **kwargs)
     total: dict[str, Any] = {}
     t0 = time.perf_counter()
     seed = args.seed if args.sample_seed is None else args.sample_seed
@@ -299,7 +316,18 @@ def measure_policy(
 
 PAIRS = (("patr", "tree-random"),)
 """Pairs compared task by task besides every method against `grpo`: PATR's scorer against
-random branch points."""
+random branch points (and each variant against the controller it varies, `pairs`)."""
+
+
+def pairs(runs: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """The pairs compared task by task among the measured methods (`runs`: a level file of each):
+    every method against `grpo`, the `PAIRS`, and each variant against its controller."""
+    variants = [(m, r["settings"].get("controller")) for m, r in runs.items()]
+    return (
+        [(m, "grpo") for m in runs if m != "grpo"]
+        + list(PAIRS)
+        + [(m, base) for m, base in variants if base in runs]
+    )
 
 
 def task_difference(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
@@ -348,7 +376,7 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
         base = {lv: r["success_rate"] for lv, r in results.get("grpo", {}).items()}
         if not base:
             continue
-        pairs = [(m, "grpo") for m in results if m != "grpo"] + list(PAIRS)
+        compared = pairs({m: next(iter(by_level.values())) for m, by_level in results.items()})
         envs[env_dir.name] = {
             "budget": budget,
             "budget_reserve": reserve.pop(),
@@ -362,7 +390,7 @@ def summarize(out: Path, merge: Sequence[Path] = ()) -> dict[str, Any]:
                     },
                     "paired": {
                         f"{a} - {b_}": paired(results[a][lv], results[b_][lv])
-                        for a, b_ in pairs
+                        for a, b_ in compared
                         if lv in results.get(a, {}) and lv in results.get(b_, {})
                     },
                 }
@@ -443,10 +471,9 @@ def replicates(dirs: Sequence[Path]) -> dict[str, Any]:
             }
             per_task = zip(*(r["counts"]["mixed_by_task"] for r in rs), strict=True)
             flags[method] = [sum(t) / len(rs) for t in per_task]
-        pairs = [(m, "grpo") for m in flags if m != "grpo"] + list(PAIRS)
         diffs = {
             f"{a} - {b}": task_difference(flags[a], flags[b])
-            for a, b in pairs
+            for a, b in pairs({m: rs[0] for m, rs in by_method.items()})
             if a in flags and b in flags and len(flags[a]) == len(flags[b])
         }
         out.setdefault(label, []).append(
@@ -587,7 +614,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: pool the levels of these --out directories (the same tasks, each "
         "under its own --sample-seed) into --out/replicates.json",
     )
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        help="controllers, and variants NEW_NAME=CONTROLLER (set with --method-set NEW_NAME.key=v)",
+    )
     ap.add_argument("--method-set", action="append", default=[], help="METHOD.key=value")
     ap.add_argument("--budget", type=int, default=64, help="env steps per task, every method")
     ap.add_argument(

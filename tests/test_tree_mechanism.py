@@ -188,3 +188,51 @@ def test_a_warm_recipe_after_the_at_sign(bench):
     )
     with pytest.raises(SystemExit, match="neither an expert probability"):
         bench.warm_recipe("tiny-warm@strong")
+
+
+def test_a_variant_runs_its_controller_and_is_paired_with_it(bench, tmp_path):
+    """`NAME=CONTROLLER` in --methods: an ablation measured beside its controller, its level
+    files recording the controller and settings it ran, compared task by task with it."""
+    out = tmp_path / "mech"
+    argv = ["--out", str(out), "--tasks", "2", "--budget", "7", "--threads", "1", "--batch", "2"]
+    argv += ["--set", "env.max_turns=4", "--temperatures", "1", "--policy", "tiny"]
+    argv += ["--methods", "grpo", "tree-grpo", "tg-noroot=tree-grpo"]
+    summary = bench.main([*argv, "--method-set", "tg-noroot.expand_root=false"])
+    run = json.loads((out / "frozenlake" / "tg-noroot" / "tiny-T1.json").read_text())
+    assert run["settings"]["controller"] == "tree-grpo"
+    assert run["settings"]["expand_root"] is False
+    base = json.loads((out / "frozenlake" / "tree-grpo" / "tiny-T1.json").read_text())
+    assert "controller" not in base["settings"] and "expand_root" not in base["settings"]
+    (pair,) = summary["paired"]["frozenlake"]
+    assert set(pair) >= {"tg-noroot - grpo", "tree-grpo - grpo", "tg-noroot - tree-grpo"}
+    x, y = run["counts"]["mixed_by_task"], base["counts"]["mixed_by_task"]
+    assert pair["tg-noroot - tree-grpo"]["diff"] == pytest.approx((sum(x) - sum(y)) / 2)
+    pooled = bench.replicates([out])["frozenlake"][0]["paired"]
+    assert pooled["tg-noroot - tree-grpo"]["diff"] == pytest.approx((sum(x) - sum(y)) / 2)
+    # a variant named like a controller, or of no controller, is refused
+    for bad in ("grpo=patr", "x=no-such-controller"):
+        with pytest.raises(ValueError, match="NEW_NAME=CONTROLLER"):
+            bench.main([*argv[:-4], "--methods", "grpo", bad])
+
+
+def test_pairs_by_hand(bench):
+    """Every method against GRPO, PATR against Tree-Random, a variant against its controller
+    only where that controller was measured."""
+    runs = {
+        m: {"settings": s}
+        for m, s in {
+            "grpo": {},
+            "patr": {},
+            "tree-random": {},
+            "patr-k2": {"controller": "patr"},
+            "arpo-x": {"controller": "arpo"},
+        }.items()
+    }
+    assert bench.pairs(runs) == [
+        ("patr", "grpo"),
+        ("tree-random", "grpo"),
+        ("patr-k2", "grpo"),
+        ("arpo-x", "grpo"),
+        ("patr", "tree-random"),
+        ("patr-k2", "patr"),
+    ]
