@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
+from helpers import BENCHMARKS, load_benchmark
 from small_policy import WARM_2_LAYERS, metric_rows
 
 from agentree.config import load_config
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_efficiency.py"
+PATH = BENCHMARKS / "learning_efficiency.py"
 
 
 @pytest.fixture(scope="module")

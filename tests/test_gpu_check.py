@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import BENCHMARKS as BENCH
 
 pytestmark = pytest.mark.slow
 
