@@ -39,7 +39,8 @@ unfinished one continues with `--resume` (its saved config, whatever the flags n
 the checkpoint it wrote when the benchmark was stopped (Ctrl-C or SIGTERM; from the start if
 it has none), drawing what it would have drawn uninterrupted, so an interrupted benchmark
 resumes where it stopped; a run killed outright resumes from its checkpoint of every fifth
-step. A run's console output, every segment's, is `seed<N>.log` beside it.
+step. A run's console output, every segment's, is `seed<N>.log` beside it, and shows here
+as it comes (each line prefixed with its method and seed under `--jobs` > 1).
 Seeds need not stay on disk to be summarised: `--earlier X_details.json` adds the per-seed
 curves of an earlier summary (its `X_summary.json` beside it) to the runs here, and refuses one
 trained under another budget rule or from other warm weights, one that lacks a method, and a
@@ -276,23 +277,44 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         if _STOPPING.is_set():
             raise RuntimeError("the benchmark is stopping")
         print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
-        with open(run.with_suffix(".log"), "a") as log:  # its console output, every segment's
-            proc = subprocess.Popen(cmd, stdout=log, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            errors="replace",
+        )  # fmt: skip
         _LIVE[proc] = run
+        prefix = f"{method} seed {seed}: " if args.jobs > 1 else ""
+        _ECHO[proc] = threading.Thread(
+            target=echo, args=(proc, run.with_suffix(".log"), prefix), daemon=True
+        )
+        _ECHO[proc].start()
     with proc:
         try:
             rc = proc.wait()
+            _ECHO[proc].join()
         finally:
             with _LIVE_LOCK:
                 _LIVE.pop(proc, None)
+                _ECHO.pop(proc, None)
     if rc != 0:
         raise subprocess.CalledProcessError(rc, cmd)
     return run
 
 
+def echo(proc: subprocess.Popen, log_path: Path, prefix: str) -> None:
+    """A run's console output (its stdout and stderr, where `agentree train` reports) appended
+    to its log, every segment's, line by line, and shown here too (`prefix`ed when runs share
+    the console)."""
+    with open(log_path, "a", buffering=1) as log:
+        for line in proc.stdout:
+            log.write(line)
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+
 # The runs in flight. A benchmark stopped by Ctrl-C or SIGTERM stops them and waits for them to
 # exit, so that a resumed benchmark never restarts a run whose old process still writes to it.
 _LIVE: dict[subprocess.Popen, Path] = {}
+_ECHO: dict[subprocess.Popen, threading.Thread] = {}  # each run's copier (`echo`)
 _LIVE_LOCK = threading.Lock()
 _STOPPING = threading.Event()
 STOP_GRACE_S = 120
@@ -317,6 +339,8 @@ def stop_runs(signum: int, _frame: Any) -> None:
                 f"it resumes from its last checkpoint (see {run.with_suffix('.log')})",
                 flush=True,
             )
+    for thread in list(_ECHO.values()):  # the runs' last lines (where each stopped) into their logs
+        thread.join(timeout=5)
     print(f"stopped {len(live)} run(s); run the same command again to resume", flush=True)
     os._exit(128 + signum)
 

@@ -241,6 +241,8 @@ def test_a_stopped_benchmark_continues_its_runs_as_if_never_stopped(tmp_path, ti
     first = json.loads(lines(run / "metrics.jsonl")[0])
     assert first["step"] == 0 and first["time"] < resumed_at  # kept, not run again
     assert metric_rows(run) == metric_rows(tmp_path / "a" / "frozenlake" / "grpo" / "seed0")
+    log = run.with_suffix(".log").read_text()  # both segments' console output
+    assert "interrupted by SIGTERM" in log and "resuming from step" in log
     key = json.loads((tmp_path / "b" / "summary.json").read_text())["warm_start"]
     assert (Path(os.environ["AGENTREE_CACHE"]) / "tiny-warm" / key / "config.json").is_file()
 
