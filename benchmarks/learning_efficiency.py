@@ -283,14 +283,15 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         )  # fmt: skip
         _LIVE[proc] = run
         prefix = f"{method} seed {seed}: " if args.jobs > 1 else ""
-        _ECHO[proc] = threading.Thread(
+        copier = threading.Thread(
             target=echo, args=(proc, run.with_suffix(".log"), prefix), daemon=True
         )
-        _ECHO[proc].start()
+        copier.start()
+        _ECHO[proc] = copier
     with proc:
         try:
             rc = proc.wait()
-            _ECHO[proc].join()
+            copier.join()
         finally:
             with _LIVE_LOCK:
                 _LIVE.pop(proc, None)
