@@ -13,6 +13,8 @@ quarters of the smallest budget any method spent). `--runs LABEL` prints instead
 run, as the long-horizon page lists them:
 
     python benchmarks/field_tables.py DIR --case frozenlake8 --runs "FrozenLake 8x8"
+    python benchmarks/field_tables.py DIR --case frozenlake8 --runs "FrozenLake 8x8" \
+        --method "grpo, 32 tasks"                                  # a variant's own --out
 """
 
 from __future__ import annotations
@@ -113,11 +115,13 @@ def equal_budget_table(details: dict[str, Any]) -> list[str]:
     return out
 
 
-def runs_table(details: dict[str, Any], label: str) -> list[str]:
+def runs_table(details: dict[str, Any], label: str, method: str | None = None) -> list[str]:
     """A row per run, as docs/results/long-horizon.md lists them: held-out success at every
     tenth step and the last, pass@4 at the last, train success over the first and last ten steps,
     trajectories a task and cut a step, informative groups a step, env steps and train wall
-    time. Runs summarised before `read_curve` kept the training groups have no row."""
+    time. Runs summarised before `read_curve` kept the training groups have no row. `method`
+    names every run's method instead (a variant run under its own `--out`, such as GRPO at
+    another number of tasks a step, so that `paired_rows.py` can tell its rows apart)."""
 
     def shown(steps: list[int]) -> list[bool]:  # every tenth step and the last
         return [s % 10 == 0 or i == len(steps) - 1 for i, s in enumerate(steps)]
@@ -142,7 +146,8 @@ def runs_table(details: dict[str, Any], label: str) -> list[str]:
             head, tail = ok[:10], ok[-10:]
             tasks = max(train["tasks"])
             out.append(
-                f"| {label} | {m} | {seed} | {' / '.join(held)} | {pct(c['pass_at_k'][-1])} | "
+                f"| {label} | {method or m} | {seed} | {' / '.join(held)} | "
+                f"{pct(c['pass_at_k'][-1])} | "
                 f"{pct(sum(head) / len(head))} → {pct(sum(tail) / len(tail))} | "
                 f"{sum(train['group_size']) / len(ok):.1f} / "
                 f"{totals['budget_cut'] / max(totals['steps'], 1):.0f} | "
@@ -157,12 +162,13 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="the benchmark's --out directory")
     ap.add_argument("--case", default="frozenlake")
     ap.add_argument("--runs", metavar="LABEL", help="print only the table of runs, env LABEL")
+    ap.add_argument("--method", help="with --runs: the method's name in every row")
     args = ap.parse_args()
     name = "summary.json" if args.case == "frozenlake" else f"{args.case}_summary.json"
     summary = json.loads((args.out / name).read_text())
     details = json.loads((args.out / f"{args.case}_details.json").read_text())
     if args.runs:
-        print("\n".join(runs_table(details, args.runs)))
+        print("\n".join(runs_table(details, args.runs, args.method)))
         return
     tables = [main_table(summary, details), paired_table(summary)]
     if "paired_patr_vs_mean_eval" in summary:  # summaries written before it lack the area

@@ -302,6 +302,8 @@ def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
     grpo, patr = "20.0 / **40.0** | 75.0 | 17.5 → 17.5", "20.0 / **50.0** | 75.0 | 25.0 → 25.0"
     assert runs[2] == f"| lake | grpo | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 0 min |"
     assert runs[3] == f"| lake | patr | 0 | {patr} | 4.0 / 0 | 1.0 of 2 | 64 | 0 min |"
+    renamed = tables.runs_table(details, "lake", "grpo, 32 tasks")
+    assert renamed[2] == f"| lake | grpo, 32 tasks | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 0 min |"
     # the area: PATR (0.5 + 0.5) / 2 against GRPO (0.3 + 0.4) / 2
     area = tables.paired_table(summary, "_mean_eval")[2]
     assert area == "| flat GRPO | +15.0 | +15.0 ± - | 1 / 0 / 0 |"
