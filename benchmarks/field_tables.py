@@ -152,9 +152,14 @@ def runs_table(details: dict[str, Any], label: str, method: str | None = None) -
                 f"{sum(train['group_size']) / len(ok):.1f} / "
                 f"{totals['budget_cut'] / max(totals['steps'], 1):.0f} | "
                 f"{sum(train['informative']) / len(ok):.1f} of {tasks} | "
-                f"{totals['env_steps']:,.0f} | {totals['wall_s'] / 60:.0f} min |"
+                f"{totals['env_steps']:,.0f} | {wall(totals['wall_s'])} |"
             )
     return out
+
+
+def wall(seconds: float) -> str:
+    """Train wall time in minutes, or in seconds under a minute."""
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
 def main() -> None:

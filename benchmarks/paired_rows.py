@@ -1,7 +1,8 @@
 """Paired differences between two methods, from the run rows a results page lists.
 
     python benchmarks/paired_rows.py docs/results/long-horizon.md patr+gigpo grpo \
-        --env "FrozenLake 8x8" [--seeds 0 1 2] [--section TEXT] [--until TEXT]
+        --env "FrozenLake 8x8" [--seeds 0 1 2] [--section TEXT] [--until TEXT] \
+        [--at 15 30]
 
 Some seeds' run directories are gone and their summaries kept seed means only; the page keeps a
 row per run (`benchmarks/field_tables.py --runs`: held-out % at every tenth step and the last).
@@ -11,7 +12,9 @@ the final success and on the area (the mean held-out success over the evaluation
 0). The rows are rounded to 0.1 points, so a figure may differ by 0.1 from one worked from
 the unrounded curves. A (method, seed) that appears in two rows is refused: narrow the page
 with `--section`, text after which the rows begin, and `--until`, text where they end (by
-default the next heading).
+default the next heading). `--at STEP_A STEP_B` adds A's held-out success at STEP_A against
+B's at STEP_B, e.g. at equal env steps when A trains on twice B's tasks a step (steps the
+rows list: multiples of ten).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ def section(text: str, start: str | None, until: str | None) -> str:
     return rest.split(until, 1)[0] if until is not None else rest.split("\n#", 1)[0]
 
 
+def at_step(values: list[float], step: int, label: str) -> float:
+    """The held-out % at `step` from a row that lists every tenth step (and the last)."""
+    if step % 10 or step // 10 >= len(values):
+        listed = ", ".join(str(10 * i) for i in range(len(values)))
+        raise SystemExit(f"{label} lists steps {listed} (and its last): not {step}")
+    return values[step // 10]
+
+
 def shown(a: list[float], b: list[float]) -> str:
     """A - B per seed, the mean ± its standard error and the wins (`learning_efficiency.paired`,
     the benchmark's own pairing)."""
@@ -67,6 +78,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="*")
     ap.add_argument("--section", help="text after which the rows begin")
     ap.add_argument("--until", help="text where the rows end (default: the next heading)")
+    ap.add_argument(
+        "--at", type=int, nargs=2, metavar=("STEP_A", "STEP_B"), help="A at one step, B at another"
+    )
     args = ap.parse_args()
     rows = read_rows(section(args.page.read_text(), args.section, args.until), args.env)
     have = [{s for m, s in rows if m == name} for name in (args.a, args.b)]
@@ -81,6 +95,16 @@ def main() -> None:
         print(
             f"  {name}: {shown(a, b)} ({args.a} {statistics.fmean(a):.1f}, "
             f"{args.b} {statistics.fmean(b):.1f})"
+        )
+    if args.at:
+        sa, sb = args.at
+        a, b = (
+            [at_step(rows[(m, s)], step, f"{m} seed {s}") for s in seeds]
+            for m, step in ((args.a, sa), (args.b, sb))
+        )
+        print(
+            f"  {args.a} at step {sa} - {args.b} at step {sb}: {shown(a, b)} "
+            f"({args.a} {statistics.fmean(a):.1f}, {args.b} {statistics.fmean(b):.1f})"
         )
 
 

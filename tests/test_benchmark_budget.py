@@ -300,10 +300,11 @@ def test_field_tables_read_the_benchmarks_summary(bench, tmp_path, monkeypatch):
     runs = tables.runs_table(details, "lake")
     assert runs[0].startswith("| env | method | seed | held-out % at 0 / 2 | pass@4 at end |")
     grpo, patr = "20.0 / **40.0** | 75.0 | 17.5 → 17.5", "20.0 / **50.0** | 75.0 | 25.0 → 25.0"
-    assert runs[2] == f"| lake | grpo | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 0 min |"
-    assert runs[3] == f"| lake | patr | 0 | {patr} | 4.0 / 0 | 1.0 of 2 | 64 | 0 min |"
+    assert runs[2] == f"| lake | grpo | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 4 s |"
+    assert runs[3] == f"| lake | patr | 0 | {patr} | 4.0 / 0 | 1.0 of 2 | 64 | 4 s |"
     renamed = tables.runs_table(details, "lake", "grpo, 32 tasks")
-    assert renamed[2] == f"| lake | grpo, 32 tasks | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 0 min |"
+    assert renamed[2] == f"| lake | grpo, 32 tasks | 0 | {grpo} | 4.0 / 0 | 1.0 of 2 | 80 | 4 s |"
+    assert (tables.wall(59.4), tables.wall(60), tables.wall(1530)) == ("59 s", "1 min", "26 min")
     # the area: PATR (0.5 + 0.5) / 2 against GRPO (0.3 + 0.4) / 2
     area = tables.paired_table(summary, "_mean_eval")[2]
     assert area == "| flat GRPO | +15.0 | +15.0 ± - | 1 / 0 / 0 |"
@@ -391,3 +392,11 @@ def test_paired_rows_pair_a_pages_run_rows_seed_by_seed(tmp_path):
     assert "area: +3.0, -2.0; mean +0.5 ± 2.5, 1/2 won" in done.stdout
     twice = subprocess.run(args, capture_output=True, text=True)
     assert twice.returncode != 0 and "patr seed 0 has two rows" in twice.stderr
+    # patr at step 20 (14.0, 9.0) against grpo at step 40 (14.0, 14.0): 0.0 and -5.0
+    at = subprocess.run([*args, "--until", "## Again", "--at", "20", "40"], capture_output=True,
+                        text=True)  # fmt: skip
+    assert at.returncode == 0, at.stderr
+    assert "patr at step 20 - grpo at step 40: +0.0, -5.0; mean -2.5 ± 2.5, 0/2 won" in at.stdout
+    odd = subprocess.run([*args, "--until", "## Again", "--at", "15", "40"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert odd.returncode != 0 and "not 15" in odd.stderr
