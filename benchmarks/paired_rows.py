@@ -2,7 +2,7 @@
 
     python benchmarks/paired_rows.py docs/results/long-horizon.md patr+gigpo grpo \
         --env "FrozenLake 8x8" [--seeds 0 1 2] [--section TEXT] [--until TEXT] \
-        [--at 15 30]
+        [--at 20 40]
 
 Some seeds' run directories are gone and their summaries kept seed means only; the page keeps a
 row per run (`benchmarks/field_tables.py --runs`: held-out % at every tenth step and the last).
@@ -13,8 +13,9 @@ the final success and on the area (the mean held-out success over the evaluation
 the unrounded curves. A (method, seed) that appears in two rows is refused: narrow the page
 with `--section`, text after which the rows begin, and `--until`, text where they end (by
 default the next heading). `--at STEP_A STEP_B` adds A's held-out success at STEP_A against
-B's at STEP_B, e.g. at equal env steps when A trains on twice B's tasks a step (steps the
-rows list: multiples of ten).
+B's at STEP_B, e.g. at equal env steps when A trains on twice B's tasks a step: multiples of
+ten, on rows of runs whose steps are a multiple of ten too (a row does not say its steps, so
+the last value of a 25-step run would be read as step 30).
 """
 
 from __future__ import annotations
