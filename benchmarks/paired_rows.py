@@ -13,9 +13,8 @@ the final success and on the area (the mean held-out success over the evaluation
 the unrounded curves. A (method, seed) that appears in two rows is refused: narrow the page
 with `--section`, text after which the rows begin, and `--until`, text where they end (by
 default the next heading). `--at STEP_A STEP_B` adds A's held-out success at STEP_A against
-B's at STEP_B, e.g. at equal env steps when A trains on twice B's tasks a step: multiples of
-ten, on rows of runs whose steps are a multiple of ten too (a row does not say its steps, so
-the last value of a 25-step run would be read as step 30).
+B's at STEP_B, e.g. at equal env steps when A trains on twice B's tasks a step, at the steps
+the header of each row's table lists ("held-out % at 0 / 10 / 20 / 25").
 """
 
 from __future__ import annotations
@@ -26,19 +25,32 @@ from pathlib import Path
 
 from learning_efficiency import paired
 
+HEADER = "held-out % at "
+"""How a run table's header names its steps (`field_tables.py --runs`)."""
 
-def read_rows(text: str, env: str) -> dict[tuple[str, int], list[float]]:
-    """Held-out % per (method, seed) from the page's run rows of `env`."""
+
+def read_rows(
+    text: str, env: str
+) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[int]]]:
+    """Held-out % per (method, seed) from the page's run rows of `env`, and the steps they are
+    at where the table's header lists them ("held-out % at 0 / 10 / ...")."""
     rows: dict[tuple[str, int], list[float]] = {}
+    steps: dict[tuple[str, int], list[int]] = {}
+    header: list[int] | None = None
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[3].startswith(HEADER):
+            header = [int(x) for x in cells[3].removeprefix(HEADER).split(" / ")]
+            continue
         if len(cells) < 4 or cells[0] != env or not cells[2].isdigit():
             continue
         key = (cells[1], int(cells[2]))
         if key in rows:
             raise SystemExit(f"{key[0]} seed {key[1]} has two rows; narrow it with --section")
         rows[key] = [float(x.strip("*")) for x in cells[3].split(" / ")]
-    return rows
+        if header is not None and len(header) == len(rows[key]):
+            steps[key] = header
+    return rows, steps
 
 
 def section(text: str, start: str | None, until: str | None) -> str:
@@ -53,12 +65,13 @@ def section(text: str, start: str | None, until: str | None) -> str:
     return rest.split(until, 1)[0] if until is not None else rest.split("\n#", 1)[0]
 
 
-def at_step(values: list[float], step: int, label: str) -> float:
-    """The held-out % at `step` from a row that lists every tenth step (and the last)."""
-    if step % 10 or step // 10 >= len(values):
-        listed = ", ".join(str(10 * i) for i in range(len(values)))
-        raise SystemExit(f"{label} lists steps {listed} (and its last): not {step}")
-    return values[step // 10]
+def at_step(values: list[float], steps: list[int] | None, step: int, label: str) -> float:
+    """The held-out % at `step`, from a row whose table header lists its steps."""
+    if steps is None:
+        raise SystemExit(f"{label}: no table header above it lists the steps of its values")
+    if step not in steps:
+        raise SystemExit(f"{label} lists steps {', '.join(map(str, steps))}: not {step}")
+    return values[steps.index(step)]
 
 
 def shown(a: list[float], b: list[float]) -> str:
@@ -83,7 +96,7 @@ def main() -> None:
         "--at", type=int, nargs=2, metavar=("STEP_A", "STEP_B"), help="A at one step, B at another"
     )
     args = ap.parse_args()
-    rows = read_rows(section(args.page.read_text(), args.section, args.until), args.env)
+    rows, steps = read_rows(section(args.page.read_text(), args.section, args.until), args.env)
     have = [{s for m, s in rows if m == name} for name in (args.a, args.b)]
     seeds = sorted(args.seeds if args.seeds else have[0] & have[1])
     missing = [(m, s) for s in seeds for m in (args.a, args.b) if (m, s) not in rows]
@@ -100,7 +113,7 @@ def main() -> None:
     if args.at:
         sa, sb = args.at
         a, b = (
-            [at_step(rows[(m, s)], step, f"{m} seed {s}") for s in seeds]
+            [at_step(rows[(m, s)], steps.get((m, s)), step, f"{m} seed {s}") for s in seeds]
             for m, step in ((args.a, sa), (args.b, sb))
         )
         print(

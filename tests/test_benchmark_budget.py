@@ -381,7 +381,8 @@ def test_paired_rows_pair_a_pages_run_rows_seed_by_seed(tmp_path):
         "| Sokoban 7x7 | grpo | 1 | 50.0 / 50.0 / 50.0 / 50.0 / **50.0** | 30 |",
     ]
     page = tmp_path / "page.md"
-    page.write_text("\n".join(["# Runs", *rows, "", "## Again", rows[0]]) + "\n")
+    header = "| env | method | seed | held-out % at 0 / 10 / 20 / 30 / 40 | wall |"
+    page.write_text("\n".join(["# Runs", header, *rows, "", "## Again", rows[0]]) + "\n")
     script = str(PATH.parent / "paired_rows.py")
     args = [sys.executable, script, str(page), "patr", "grpo", "--env", "FrozenLake 8x8"]
     done = subprocess.run([*args, "--until", "## Again"], capture_output=True, text=True)
@@ -400,3 +401,7 @@ def test_paired_rows_pair_a_pages_run_rows_seed_by_seed(tmp_path):
     odd = subprocess.run([*args, "--until", "## Again", "--at", "15", "40"], capture_output=True,
                          text=True)  # fmt: skip
     assert odd.returncode != 0 and "not 15" in odd.stderr
+    # a row's steps come from its table's header; without one, --at refuses rather than guess
+    page.write_text("\n".join(["# Runs", *rows[:4]]) + "\n")
+    bare = subprocess.run([*args, "--at", "20", "40"], capture_output=True, text=True)
+    assert bare.returncode != 0 and "no table header above it" in bare.stderr
