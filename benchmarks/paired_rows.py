@@ -38,6 +38,9 @@ def read_rows(
     steps: dict[tuple[str, int], list[int]] = {}
     header: list[int] | None = None
     for line in text.splitlines():
+        if not line.lstrip().startswith("|"):
+            header = None  # a header names the steps of its own table only
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 4 and cells[3].startswith(HEADER):
             header = [int(x) for x in cells[3].removeprefix(HEADER).split(" / ")]
