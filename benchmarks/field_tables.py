@@ -32,6 +32,8 @@ NAMES = {
     "arpo": "ARPO",
     "gigpo": "GiGPO (flat groups)",
     "tree-grpo": "Tree-GRPO",
+    "tree-grpo+grpo": "Tree-GRPO's tree + GRPO",
+    "grpo+tree-grpo": "flat GRPO + Tree-GRPO's advantage",
     "tsr": "TSR (beam)",
     "patr+gigpo": "PATR + GiGPO",
 }

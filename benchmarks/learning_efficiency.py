@@ -4,9 +4,11 @@ FrozenLake 4x4 (`--case frozenlake`), Sokoban 6x6 with one box (`--case sokoban`
 `--env sokoban`) and the long-horizon configs from low-success warm starts (`--case
 frozenlake8`, `sokoban2`, `babyai`): `patr`, `tree-random`, `grpo`, `arpo`, `gigpo` (GiGPO's
 advantage over flat groups, as published), `tree-grpo` (Tree-GRPO's tree and intra+inter-tree
-advantage), `tsr` (TSR's beam search, optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's
-advantage), trained from the env's warm-started tiny policy (`policy.path: tiny-warm`) on the same
-maps.
+advantage), `tree-grpo+grpo` (Tree-GRPO's tree, GRPO's advantage over each task's leaves: the
+inter-tree term alone), `grpo+tree-grpo` (flat groups, Tree-GRPO's advantage: GRPO's plus r for
+each trajectory, the intra-tree term of a one-trajectory tree), `tsr` (TSR's beam search,
+optimiser unchanged) and `patr+gigpo` (PATR's tree, GiGPO's advantage), trained from the env's
+warm-started tiny policy (`policy.path: tiny-warm`) on the same maps.
 
 Budgets are matched in env steps per optimiser step, not in group sizes: B is the env steps
 PATR's default tree spends per task and E the warm policy's episode length (turns per
@@ -100,24 +102,17 @@ def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
     m = max(1, round(budget / (turns * (1 + n * steps / 2))))
     width = max(1, round(budget / (2 * turns)))  # TSR beam: 2 candidates per beam and turn
     flat = ["--rollout", "grpo", "--set", f"rollout.G={g}"]
+    tree_grpo = ["--rollout", "tree-grpo", "--set", f"rollout.M={m}", "--set", f"rollout.N={n}"]
+    tree_grpo += ["--set", f"rollout.L={steps}"]
     methods = {
         "patr": [],
         "tree-random": ["--rollout", "tree-random"],
         "grpo": flat,
         "arpo": ["--rollout", "arpo", "--set", f"rollout.G={g}"],
         "gigpo": [*flat, "--set", "train.advantage=gigpo"],
-        "tree-grpo": [
-            "--rollout",
-            "tree-grpo",
-            "--set",
-            f"rollout.M={m}",
-            "--set",
-            f"rollout.N={n}",
-            "--set",
-            f"rollout.L={steps}",
-            "--set",
-            "train.advantage=treegrpo",
-        ],
+        "tree-grpo": [*tree_grpo, "--set", "train.advantage=treegrpo"],
+        "tree-grpo+grpo": [*tree_grpo, "--set", "train.advantage=grpo"],
+        "grpo+tree-grpo": [*flat, "--set", "train.advantage=treegrpo"],
         "tsr": [
             "--rollout",
             "tsr",

@@ -34,7 +34,8 @@ def settings(args: list[str]) -> list[str]:
 def test_methods_are_sized_to_the_env_step_budget(bench):
     m = bench.sized_methods(32, 5.4)
     assert set(m) == {
-        "patr", "tree-random", "grpo", "arpo", "gigpo", "tree-grpo", "tsr", "patr+gigpo"
+        "patr", "tree-random", "grpo", "arpo", "gigpo", "tree-grpo", "tree-grpo+grpo",
+        "grpo+tree-grpo", "tsr", "patr+gigpo",
     }  # fmt: skip
     # flat: G = 32 / 5.4 ~ 6 trajectories of ~5.4 steps
     assert "rollout.G=6" in settings(m["grpo"]) and "train.advantage=gigpo" in settings(m["gigpo"])
@@ -42,6 +43,12 @@ def test_methods_are_sized_to_the_env_step_budget(bench):
     assert {"rollout=tree-grpo", "rollout.M=3", "rollout.N=2", "rollout.L=1"} <= set(
         settings(m["tree-grpo"])
     )
+    # the same tree with GRPO's advantage over each task's leaves (Tree-GRPO's inter term alone)
+    swap = {"train.advantage=treegrpo": "train.advantage=grpo"}
+    assert settings(m["tree-grpo+grpo"]) == [swap.get(a, a) for a in settings(m["tree-grpo"])]
+    # and flat groups with Tree-GRPO's advantage
+    flat = settings(m["grpo"])
+    assert settings(m["grpo+tree-grpo"]) == [*flat[:-1], "train.advantage=treegrpo", flat[-1]]
     # TSR beam: width x 2 candidates x 5.4 turns ~ 32 -> width 3
     assert {"rollout=tsr", "rollout.mode=beam", "rollout.width=3"} <= set(settings(m["tsr"]))
     # and every method spends exactly B = 32 env steps per task
