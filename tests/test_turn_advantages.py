@@ -358,6 +358,25 @@ def test_treegrpo_single_trajectory_groups_get_r_over_one_plus_eps():
     ]
 
 
+def test_treegrpo_on_flat_groups_is_grpo_plus_the_reward():
+    # Under a flat rollout every trajectory is its own tree (no `tree_index`, distinct first
+    # turns), so each intra group is one trajectory: A_i = A_GRPO(i) + r_i / (1 + eps). An
+    # all-success group, which GRPO zeroes, gets 1 / (1 + eps) on every trajectory.
+    eps = 0.25
+    same = flat([[("a", "A", 1.0)], [("b", "B", 1.0)], [("c", "C", 1.0)]])
+    assert (
+        per_turn(same, treegrpo_advantages(same, same.trajectories(), eps=eps))
+        == [[pytest.approx(1 / (1 + eps))]] * 3
+    )
+    mixed = flat([[("a", "A", 1.0)], [("b", "B", 0.0)]])
+    # GRPO over R = 1, 0: mean 1/2, sample std sqrt(1/2)
+    grpo = 0.5 / (math.sqrt(0.5) + eps)
+    assert per_turn(mixed, treegrpo_advantages(mixed, mixed.trajectories(), eps=eps)) == [
+        [pytest.approx(grpo + 1 / (1 + eps))],
+        [pytest.approx(-grpo)],
+    ]
+
+
 def test_grpo_keeps_zero_for_a_group_of_one():
     assert group_normalized([1.0]) == [0.0]
     assert group_normalized([1.0], eps=0.5, singleton="unit") == [1 / 1.5]
