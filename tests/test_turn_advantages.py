@@ -359,8 +359,8 @@ def test_treegrpo_single_trajectory_groups_get_r_over_one_plus_eps():
 
 
 def test_treegrpo_on_flat_groups_is_grpo_plus_the_reward():
-    # Under a flat rollout every trajectory is its own tree (no `tree_index`, distinct first
-    # turns), so each intra group is one trajectory: A_i = A_GRPO(i) + r_i / (1 + eps). An
+    # Under a flat rollout every trajectory is its own tree (no `tree_index`, a first-turn node
+    # of its own), so each intra group is one trajectory: A_i = A_GRPO(i) + r_i / (1 + eps). An
     # all-success group, which GRPO zeroes, gets 1 / (1 + eps) on every trajectory.
     eps = 0.25
     same = flat([[("a", "A", 1.0)], [("b", "B", 1.0)], [("c", "C", 1.0)]])
