@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentree.algorithms.advantages import estimator_options
+from agentree.algorithms.advantages import advantage_estimator
 from agentree.envs.base import env_class, format_validation_error
 from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
@@ -149,10 +149,11 @@ class TrainConfig(_Section):
     """Clamp log(pi/pi_old) to +-this before exp (verl: 20), for stale data; null disables."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """token-mean (DAPO) or seq-mean (GRPO)."""
-    advantage: Literal["grpo", "treepo", "treerl", "gigpo", "rtmc", "treegrpo"] = "grpo"
+    advantage: str = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
     anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;
-    treegrpo: intra- plus inter-tree GRPO (see `agentree.algorithms.advantages`)."""
+    treegrpo: intra- plus inter-tree GRPO; treepo, treerl (see `agentree.algorithms.advantages`);
+    or a user's estimator as `package.module:function`."""
     advantage_options: dict[str, Any] = Field(default_factory=dict)
     """Options of the estimator, e.g. treepo {norm: batch|batch-std|tree-std|none,
     distinct_subgroups: bool, eps}; grpo {eps} (its std scaling is `adv_scale`); gigpo
@@ -222,7 +223,7 @@ class TrainConfig(_Section):
     def _advantage_options(self) -> TrainConfig:
         if "scale" in self.advantage_options:
             raise ValueError("set the grpo std scaling with train.adv_scale, not advantage_options")
-        estimator_options(self.advantage, self.advantage_options)
+        advantage_estimator(self.advantage, self.advantage_options)  # a bad name fails here
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,7 @@
 import pytest
+from helpers import load_benchmark
 
+from agentree.algorithms.advantages import ESTIMATORS_BY_NAME
 from agentree.config import available_configs, load_config
 
 
@@ -126,3 +128,17 @@ def test_env_selects_its_own_default_config():
     assert load_config(select={"env": "math"}).rollout["name"] == "treepo"
     user = load_config(select={"env": "custom_env.mygame:GuessEnv"})
     assert user.rollout["name"] == "patr" and user.env["name"].endswith("GuessEnv")
+
+
+def test_train_advantage_takes_a_users_estimator_as_the_seam_does():
+    # `train.advantage` accepts what the estimator registry resolves: a shipped name or a
+    # user's `package.module:function`, imported when the config is validated (as a
+    # `module:Class` env, controller or scorer is), so a typo fails before any run starts.
+    credit = load_benchmark("tree_credit")
+    cfg = load_config(overrides=["train.advantage=tree_credit:shared"])
+    assert cfg.train.advantage == "tree_credit:shared"
+    assert ESTIMATORS_BY_NAME.get(cfg.train.advantage) is credit.shared
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        load_config(overrides=["train.advantage=no_such_module:estimate"])
+    with pytest.raises(ValueError, match=r"unknown advantage estimator .ppo.*module:function"):
+        load_config(overrides=["train.advantage=ppo"])

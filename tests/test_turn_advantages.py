@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from agentree.algorithms.advantages import (
     compute_advantages,
@@ -399,3 +400,39 @@ def test_new_estimator_options_are_checked():
         estimator_options("gigpo", {"norm": "max"})
     with pytest.raises(ValueError, match="has no option"):
         estimator_options("rtmc", {"step_gamma": 0.9})
+
+
+def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
+    # benchmarks/tree_credit.py: tau1 and tau2 share their first turn (down to A); tau3 shares
+    # nothing. R = 1, 0, 0: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3).
+    credit = load_benchmark("tree_credit")
+    tree = build(GIGPO_PATHS)
+    trajs = tree.trajectories()
+    s = math.sqrt(1 / 3) + 1e-6
+    win, lose = (2 / 3) / s, (-1 / 3) / s
+    shared = per_turn(tree, credit.shared([tree], [trajs])[0])
+    private = per_turn(tree, credit.private([tree], [trajs])[0])
+    assert shared == [
+        [pytest.approx(win), 0.0],
+        [pytest.approx(lose), 0.0, 0.0],
+        [0.0, 0.0],
+    ]
+    assert private == [
+        [0.0, pytest.approx(win)],
+        [0.0, pytest.approx(lose), pytest.approx(lose)],
+        [pytest.approx(lose), pytest.approx(lose)],
+    ]
+    # the estimator seam resolves it as a run does (`train.advantage=tree_credit:shared`)
+    grpo = compute_advantages("grpo", [tree], [trajs])[0]
+    split = compute_advantages("tree_credit:shared", [tree], [trajs])[0]
+    rest = compute_advantages("tree_credit:private", [tree], [trajs])[0]
+    for g, a, b in zip(grpo, split, rest, strict=True):
+        assert [x + y for x, y in zip(a, b, strict=True)] == pytest.approx(g)
+    # where GRPO's advantage lands: 2 of the 7 (trajectory, policy token) pairs are shared;
+    # the shared mass is |win| + |lose| = 1/s of 3/s in all; on the shared turn win + lose =
+    # (1/3)/s of the 1/s there survives, so two thirds of it cancel
+    lands = credit.where_it_lands([tree])
+    assert lands["informative"] == 1 and lands["trajectories_per_tree"] == 3
+    assert lands["shared_token_share"] == pytest.approx(2 / 7)
+    assert lands["shared_mass_share"] == pytest.approx(1 / 3)
+    assert lands["shared_mass_cancelled"] == pytest.approx(2 / 3)

@@ -616,7 +616,10 @@ def estimator_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """`options` validated for estimator `name`, as the keyword arguments it takes; a bad name
     or option raises a one-sentence ValueError."""
     if name not in ESTIMATORS_BY_NAME and ":" not in name:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ESTIMATORS}")
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; choose one of {', '.join(ESTIMATORS)} "
+            "or pass 'package.module:function'"
+        )
     model = ADVANTAGE_OPTIONS.get(name)
     if model is None:
         return dict(options)

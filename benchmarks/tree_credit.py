@@ -1,0 +1,128 @@
+"""GRPO's advantage on a rollout tree, kept on one part of the tree: which part trains it?
+
+On a tree, GRPO gives every trajectory one advantage, and a turn that k trajectories share
+(their common prefix, up to the state they forked from) is trained by the k of them: the
+gradient there is the sum of their advantages, k times the subtree's mean advantage, a credit
+that compares what followed each fork. A turn only one trajectory reaches (after its last
+fork) gets that trajectory's advantage alone, as every turn of a flat group does. These two
+estimators keep one part and give the other zero advantage, so under a token-mean loss (which
+divides by the policy tokens, not by those with an advantage) their per-token losses add up
+to GRPO's on the same tree:
+
+- `shared`: the advantage on turns that two or more trajectories of the group pass through;
+- `private`: the advantage on turns only one trajectory passes through.
+
+They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
+so that the runs can import this module):
+
+    PYTHONPATH=benchmarks python benchmarks/learning_efficiency.py --seeds 0 1 ... 19 \
+        --out DIR --methods tree-grpo+grpo --eval-tasks 64 --area-every 10 --budget-reserve \
+        --set train.advantage=tree_credit:shared
+
+Run as a script on the trees of a rollout, it says where GRPO's advantage lands: for the
+shared and the private turns, their share of the policy tokens the loss counts (a shared
+token once per trajectory through it), their share of the advantage mass (sum of |A| over
+those tokens), and on the shared turns how much of that mass cancels (1 - |sum of A| / sum of
+|A| per shared token, weighted by the mass: 0 when the trajectories through a turn agree,
+1 when a success and a failure through it balance):
+
+    agentree rollout --config frozenlake_patr --rollout tree-grpo --policy tiny-warm \
+        --tasks 64 --output DIR --set rollout.M=2 --set rollout.N=2 --set rollout.L=1 \
+        --set rollout.env_step_budget=16 --set rollout.budget_reserve=true
+    python benchmarks/tree_credit.py DIR [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from agentree.algorithms.advantages import advantage_estimator
+from agentree.tree import Trajectory, Tree
+
+_GRPO = advantage_estimator("grpo", {})
+
+
+def _kept(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], *, keep_shared: bool
+) -> list[list[list[float]]]:
+    out = _GRPO(trees, groups)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        through = Counter(n for t in trajectories for n in t.nodes)
+        for t, adv in zip(trajectories, advantages, strict=True):
+            for j, node in enumerate(t.node_of_token):
+                if (through[node] > 1) != keep_shared:
+                    adv[j] = 0.0
+    return out
+
+
+def shared(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages, zero on every turn only one trajectory of the group reaches."""
+    return _kept(trees, groups, keep_shared=True)
+
+
+def private(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages, zero on every turn two or more trajectories share."""
+    return _kept(trees, groups, keep_shared=False)
+
+
+def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
+    """Token and advantage shares of the shared and private turns (the module docstring)."""
+    groups = [t.trajectories() for t in trees]
+    tokens = {"shared": 0, "private": 0}
+    mass = {"shared": 0.0, "private": 0.0}
+    net: dict[tuple[int, int, int], float] = defaultdict(float)  # (tree, node, token) -> sum A
+    gross: dict[tuple[int, int, int], float] = defaultdict(float)
+    for k, (trajectories, advantages) in enumerate(zip(groups, _GRPO(trees, groups), strict=True)):
+        through = Counter(n for t in trajectories for n in t.nodes)
+        for t, adv in zip(trajectories, advantages, strict=True):
+            start: dict[int, int] = {}
+            for j, (node, m) in enumerate(zip(t.node_of_token, t.loss_mask, strict=True)):
+                if not m:
+                    continue
+                part = "shared" if through[node] > 1 else "private"
+                tokens[part] += 1
+                mass[part] += abs(adv[j])
+                if part == "shared":
+                    key = (k, node, j - start.setdefault(node, j))
+                    net[key] += adv[j]
+                    gross[key] += abs(adv[j])
+    total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
+    shared_gross = sum(gross.values())
+    return {
+        "trees": len(trees),
+        "informative": sum(len({t.reward for t in g}) > 1 for g in groups),
+        "trajectories_per_tree": sum(map(len, groups)) / max(len(trees), 1),
+        "shared_token_share": tokens["shared"] / max(total_tokens, 1),
+        "shared_mass_share": mass["shared"] / total_mass if total_mass else 0.0,
+        "shared_mass_cancelled": (
+            1 - sum(abs(v) for v in net.values()) / shared_gross if shared_gross else 0.0
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("rollout", type=Path, help="an `agentree rollout --output` directory")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    paths = sorted((args.rollout / "trees").glob("*.json"))
+    if not paths:
+        raise SystemExit(
+            f"no trees in {args.rollout / 'trees'}; give an agentree rollout's --output"
+        )
+    out = where_it_lands([Tree.load(p) for p in paths])
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
