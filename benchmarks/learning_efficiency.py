@@ -65,8 +65,9 @@ mean, or null (also when GRPO did not learn: "grpo_learned": false), "pass_at_4"
 "mean_eval_success": mean over seeds of each run's held-out success averaged over its
 evaluations after step 0 (the area under its curve; `--area-every K` keeps those at multiples
 of K, listed in "area_steps"), "mean_eval_success_se", "env_steps_per_step",
-"budget_cut_per_step", "forks", "wall_s", "seeds"}}, "paired_vs_grpo": {name: per-seed
-differences in final success, their mean, standard error and wins/ties/losses},
+"budget_cut_per_step", "forks", "wall_s", "seeds", "advantage": the estimator the runs'
+configs name}}, "paired_vs_grpo": {name: per-seed differences in final success, their mean,
+standard error and wins/ties/losses},
 "paired_patr_vs": {name: the same for PATR minus that method}, "paired_vs_grpo_mean_eval" and
 "paired_patr_vs_mean_eval": the same for the area,
 "sizing": {"budget_per_task": B, "turns": E}, "budget": {"env_step_budget": N,
@@ -430,6 +431,28 @@ def budget_rule(
     return {"env_step_budget": budget, "budget_reserve": reserve}
 
 
+def trained_advantage(runs: list[Path]) -> str | None:
+    """The advantage estimator (`train.advantage`) a method's runs were trained with, read from
+    their saved configs (a `--set train.advantage=...` replaces the method's own), None when no
+    run has a config; runs of one method trained with different estimators are refused."""
+    # deferred: the config module is only needed once runs are summarised
+    from agentree.config import read_config_file
+
+    names = {
+        str(run): (read_config_file(str(run / "config.yaml")).get("train") or {}).get(
+            "advantage", "grpo"
+        )
+        for run in runs
+        if (run / "config.yaml").exists()
+    }
+    if len(set(names.values())) > 1:
+        raise SystemExit(
+            f"these runs of one method were trained with different advantage estimators "
+            f"({names}); give each its own --out"
+        )
+    return next(iter(names.values()), None)
+
+
 def mean_curve(curves: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Pointwise mean (and spread) over seeds, on the eval steps all seeds share."""
     steps = sorted(set.intersection(*(set(c["step"]) for c in curves)))
@@ -583,6 +606,7 @@ def summarise(
             "forks": statistics.fmean(c["totals"]["forks"] for c in cs),
             "wall_s": statistics.fmean(c["totals"]["wall_s"] for c in cs),
             "seeds": seeds,
+            "advantage": trained_advantage([out / case / m / f"seed{s}" for s in seeds]),
         }
     summary: dict[str, Any] = {"methods": rows}
     summary["area_steps"] = area_steps(next(iter(curves.values()))[0], area_every)

@@ -177,6 +177,23 @@ def test_summary_names_the_budget_rule_and_refuses_a_mix(bench, tmp_path, monkey
         bench.summarise("frozenlake", ["grpo", "patr"], [0], tmp_path, None)
 
 
+def test_summary_names_the_estimator_each_method_trained_with(bench, tmp_path, monkeypatch):
+    """A `--set train.advantage=...` replaces a method's estimator, so the summary says which
+    one its runs' saved configs name, and refuses one method's seeds trained with two."""
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    case = tmp_path / "frozenlake"
+    for seed in (0, 1):
+        write_run(case / "tree-grpo+grpo" / f"seed{seed}", [30, 34], [0.2, 0.5, 0.5])
+        cfg = load_config("frozenlake_patr", overrides=["train.advantage=treegrpo"])
+        (case / "tree-grpo+grpo" / f"seed{seed}" / "config.yaml").write_text(cfg.to_yaml())
+    s = bench.summarise("frozenlake", ["tree-grpo+grpo"], [0, 1], tmp_path, None)
+    assert s["methods"]["tree-grpo+grpo"]["advantage"] == "treegrpo"
+    cfg = load_config("frozenlake_patr")
+    (case / "tree-grpo+grpo" / "seed1" / "config.yaml").write_text(cfg.to_yaml())
+    with pytest.raises(SystemExit, match="different advantage estimators"):
+        bench.summarise("frozenlake", ["tree-grpo+grpo"], [0, 1], tmp_path, None)
+
+
 def test_calibration_measures_the_budget_from_the_warm_start_and_is_kept(
     bench, tmp_path, monkeypatch
 ):
