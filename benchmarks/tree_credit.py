@@ -10,7 +10,10 @@ divides by the policy tokens, not by those with an advantage) their per-token lo
 to GRPO's on the same tree:
 
 - `shared`: the advantage on turns that two or more trajectories of the group pass through;
-- `private`: the advantage on turns only one trajectory passes through.
+- `private`: the advantage on turns only one trajectory passes through;
+- `late`: for flat groups, which share no turn, the advantage on the later half of each
+  trajectory's turns (turn i of n from 0 kept when i >= n // 2), the turns a fork at a random
+  point would have left to it alone: where a tree's private turns are, without the tree.
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
@@ -71,6 +74,19 @@ def private(
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages, zero on every turn two or more trajectories share."""
     return _kept(trees, groups, keep_shared=False)
+
+
+def late(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[list[list[float]]]:
+    """GRPO's per-token advantages, zero on the first n // 2 of each trajectory's n turns."""
+    out = _GRPO(trees, groups)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        for t, adv in zip(trajectories, advantages, strict=True):
+            turns = t.nodes[1:]  # below the root, one node per turn
+            early = set(turns[: len(turns) // 2])
+            for j, node in enumerate(t.node_of_token):
+                if node in early:
+                    adv[j] = 0.0
+    return out
 
 
 def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:

@@ -436,3 +436,25 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
     assert lands["shared_token_share"] == pytest.approx(2 / 7)
     assert lands["shared_mass_share"] == pytest.approx(1 / 3)
     assert lands["shared_mass_cancelled"] == pytest.approx(2 / 3)
+
+
+def test_grpo_on_the_later_half_of_flat_trajectories():
+    # benchmarks/tree_credit.py `late`: turn i of n (from 0) keeps GRPO's advantage when
+    # i >= n // 2. R = 1, 0, 0, 0: mean 1/4, sample std sqrt((9/16 + 3/16) / 3) = 1/2.
+    credit = load_benchmark("tree_credit")
+    tree = flat(
+        [
+            [("a", "G", 1.0)],
+            [("b", "B", 0.0), ("c", "H", 0.0)],
+            [("d", "D", 0.0), ("e", "E", 0.0), ("f", "H", 0.0)],
+            [("g", "D", 0.0), ("h", "E", 0.0), ("i", "F", 0.0), ("j", "H", 0.0)],
+        ]
+    )
+    win, lose = 0.75 / (0.5 + 1e-6), -0.25 / (0.5 + 1e-6)
+    got = per_turn(tree, credit.late([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(win)],
+        [0.0, pytest.approx(lose)],
+        [0.0, pytest.approx(lose), pytest.approx(lose)],
+        [0.0, 0.0, pytest.approx(lose), pytest.approx(lose)],
+    ]
