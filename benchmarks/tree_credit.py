@@ -4,10 +4,12 @@ On a tree, GRPO gives every trajectory one advantage, and a turn that k trajecto
 (their common prefix, up to the state they forked from) is trained by the k of them: the
 gradient there is the sum of their advantages, k times the subtree's mean advantage, a credit
 that compares what followed each fork. A turn only one trajectory reaches (after its last
-fork) gets that trajectory's advantage alone, as every turn of a flat group does. These two
-estimators keep one part and give the other zero advantage, so under a token-mean loss (which
-divides by the policy tokens, not by those with an advantage) their per-token losses add up
-to GRPO's on the same tree:
+fork) gets that trajectory's advantage alone, as every turn of a flat group does. The first
+two estimators keep one part and give the other zero advantage, so under a token-mean loss
+(which divides by the policy tokens, not by those with an advantage) their per-token losses
+add up to GRPO's on the same tree. Each starts from GRPO's advantage with its default options
+(divided by the group's std, as the shipped configs train; `train.adv_scale` does not reach a
+user's estimator):
 
 - `shared`: the advantage on turns that two or more trajectories of the group pass through;
 - `private`: the advantage on turns only one trajectory passes through;
