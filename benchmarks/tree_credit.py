@@ -29,7 +29,8 @@ shared and the private turns, their share of the policy tokens the loss counts (
 token once per trajectory through it), their share of the advantage mass (sum of |A| over
 those tokens), and on the shared turns how much of that mass cancels (1 - |sum of A| / sum of
 |A| per shared token, weighted by the mass: 0 when the trajectories through a turn agree,
-1 when a success and a failure through it balance):
+1 when a success and a failure through it balance), and the mean advantage a token gets in
+each part (GRPO's advantages sum to zero over a group's trajectories, not over its tokens):
 
     agentree rollout --config frozenlake_patr --rollout tree-grpo --policy tiny-warm \
         --tasks 64 --output DIR --set rollout.M=2 --set rollout.N=2 --set rollout.L=1 \
@@ -96,6 +97,7 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     groups = [t.trajectories() for t in trees]
     tokens = {"shared": 0, "private": 0}
     mass = {"shared": 0.0, "private": 0.0}
+    signed = {"shared": 0.0, "private": 0.0}
     net: dict[tuple[int, int, int], float] = defaultdict(float)  # (tree, node, token) -> sum A
     gross: dict[tuple[int, int, int], float] = defaultdict(float)
     for k, (trajectories, advantages) in enumerate(zip(groups, _GRPO(trees, groups), strict=True)):
@@ -108,6 +110,7 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                 part = "shared" if through[node] > 1 else "private"
                 tokens[part] += 1
                 mass[part] += abs(adv[j])
+                signed[part] += adv[j]
                 if part == "shared":
                     key = (k, node, j - start.setdefault(node, j))
                     net[key] += adv[j]
@@ -120,6 +123,8 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
         "trajectories_per_tree": sum(map(len, groups)) / max(len(trees), 1),
         "shared_token_share": tokens["shared"] / max(total_tokens, 1),
         "shared_mass_share": mass["shared"] / total_mass if total_mass else 0.0,
+        "shared_mean_advantage": signed["shared"] / max(tokens["shared"], 1),
+        "private_mean_advantage": signed["private"] / max(tokens["private"], 1),
         "shared_mass_cancelled": (
             1 - sum(abs(v) for v in net.values()) / shared_gross if shared_gross else 0.0
         ),

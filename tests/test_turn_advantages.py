@@ -436,6 +436,9 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
     assert lands["shared_token_share"] == pytest.approx(2 / 7)
     assert lands["shared_mass_share"] == pytest.approx(1 / 3)
     assert lands["shared_mass_cancelled"] == pytest.approx(2 / 3)
+    # mean advantage a token gets: shared (win + lose) / 2, private (win + 4 lose) / 5
+    assert lands["shared_mean_advantage"] == pytest.approx((win + lose) / 2)
+    assert lands["private_mean_advantage"] == pytest.approx((win + 4 * lose) / 5)
 
 
 def test_grpo_on_the_later_half_of_flat_trajectories():
