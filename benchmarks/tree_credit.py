@@ -15,7 +15,10 @@ user's estimator):
 - `private`: the advantage on turns only one trajectory passes through;
 - `late`: for flat groups, which share no turn, the advantage on the later half of each
   trajectory's turns (turn i of n from 0 kept when i >= n // 2), the turns a fork at a random
-  point would have left to it alone: where a tree's private turns are, without the tree.
+  point would have left to it alone: where a tree's private turns are, without the tree;
+- `spread`: the control for `late`: each trajectory's advantage times the share of its turns
+  `late` keeps ((n - n // 2) / n), on every turn, so each trajectory carries the advantage
+  mass `late` gives it, spread over all its turns instead of the later ones.
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
@@ -89,6 +92,19 @@ def late(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[
             for j, node in enumerate(t.node_of_token):
                 if node in early:
                     adv[j] = 0.0
+    return out
+
+
+def spread(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages times (n - n // 2) / n for a trajectory of n turns."""
+    out = _GRPO(trees, groups)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        for t, adv in zip(trajectories, advantages, strict=True):
+            n = len(t.nodes) - 1
+            share = (n - n // 2) / n if n else 1.0
+            adv[:] = [a * share for a in adv]
     return out
 
 

@@ -461,3 +461,11 @@ def test_grpo_on_the_later_half_of_flat_trajectories():
         [0.0, pytest.approx(lose), pytest.approx(lose)],
         [0.0, 0.0, pytest.approx(lose), pytest.approx(lose)],
     ]
+    # `spread`: the same mass per trajectory on every turn, 1, 1/2, 2/3 and 1/2 of it a turn
+    got = per_turn(tree, credit.spread([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(win)],
+        [pytest.approx(lose / 2)] * 2,
+        [pytest.approx(lose * 2 / 3)] * 3,
+        [pytest.approx(lose / 2)] * 4,
+    ]
