@@ -33,7 +33,9 @@ token once per trajectory through it), their share of the advantage mass (sum of
 those tokens), and on the shared turns how much of that mass cancels (1 - |sum of A| / sum of
 |A| per shared token, weighted by the mass: 0 when the trajectories through a turn agree,
 1 when a success and a failure through it balance), and the mean advantage a token gets in
-each part (GRPO's advantages sum to zero over a group's trajectories, not over its tokens):
+each part (GRPO's advantages sum to zero over a group's trajectories, not over its tokens);
+and, averaged over trajectories, the share of a trajectory's turns that are private and the
+share `late` would keep:
 
     agentree rollout --config frozenlake_patr --rollout tree-grpo --policy tiny-warm \
         --tasks 64 --output DIR --set rollout.M=2 --set rollout.N=2 --set rollout.L=1 \
@@ -131,6 +133,15 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                     key = (k, node, j - start.setdefault(node, j))
                     net[key] += adv[j]
                     gross[key] += abs(adv[j])
+    # per trajectory: the share of its turns that are private, and the share `late` keeps
+    private_share, late_share = [], []
+    for trajectories in groups:
+        through = Counter(n for t in trajectories for n in t.nodes)
+        for t in trajectories:
+            turns = t.nodes[1:]
+            if turns:
+                private_share.append(sum(through[n] == 1 for n in turns) / len(turns))
+                late_share.append((len(turns) - len(turns) // 2) / len(turns))
     total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
     shared_gross = sum(gross.values())
     return {
@@ -139,6 +150,8 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
         "trajectories_per_tree": sum(map(len, groups)) / max(len(trees), 1),
         "shared_token_share": tokens["shared"] / max(total_tokens, 1),
         "shared_mass_share": mass["shared"] / total_mass if total_mass else 0.0,
+        "private_turn_share": sum(private_share) / max(len(private_share), 1),
+        "late_turn_share": sum(late_share) / max(len(late_share), 1),
         "shared_mean_advantage": signed["shared"] / max(tokens["shared"], 1),
         "private_mean_advantage": signed["private"] / max(tokens["private"], 1),
         "shared_mass_cancelled": (

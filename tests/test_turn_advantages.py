@@ -439,6 +439,9 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
     # mean advantage a token gets: shared (win + lose) / 2, private (win + 4 lose) / 5
     assert lands["shared_mean_advantage"] == pytest.approx((win + lose) / 2)
     assert lands["private_mean_advantage"] == pytest.approx((win + 4 * lose) / 5)
+    # private turns 1/2, 2/3 and 2/2 of the three trajectories; late keeps 1/2, 2/3 and 1/2
+    assert lands["private_turn_share"] == pytest.approx((1 / 2 + 2 / 3 + 1) / 3)
+    assert lands["late_turn_share"] == pytest.approx((1 / 2 + 2 / 3 + 1 / 2) / 3)
 
 
 def test_grpo_on_the_later_half_of_flat_trajectories():
