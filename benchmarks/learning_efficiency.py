@@ -436,12 +436,10 @@ def trained_advantage(runs: list[Path]) -> str | None:
     their saved configs (a `--set train.advantage=...` replaces the method's own), None when no
     run has a config; runs of one method trained with different estimators are refused."""
     # deferred: the config module is only needed once runs are summarised
-    from agentree.config import read_config_file
+    from agentree.config import load_config
 
     names = {
-        str(run): (read_config_file(str(run / "config.yaml")).get("train") or {}).get(
-            "advantage", "grpo"
-        )
+        str(run): load_config(str(run / "config.yaml")).train.advantage
         for run in runs
         if (run / "config.yaml").exists()
     }

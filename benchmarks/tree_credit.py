@@ -47,14 +47,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from agentree.algorithms.advantages import advantage_estimator
+from agentree.algorithms.advantages import advantage_estimator, treerl_node_values
 from agentree.tree import Trajectory, Tree
 
 _GRPO = advantage_estimator("grpo", {})
+
+
+def _through(trajectories: Sequence[Trajectory]) -> dict[int, int]:
+    """How many of the group's trajectories pass through each node (TreeRL's |L(n)|)."""
+    return treerl_node_values(trajectories)[1]
+
+
+def _late_share(n: int) -> float:
+    """The share of a trajectory's n turns that `late` keeps: its last n - n // 2."""
+    return (n - n // 2) / n if n else 1.0
 
 
 def _kept(
@@ -62,7 +72,7 @@ def _kept(
 ) -> list[list[list[float]]]:
     out = _GRPO(trees, groups)
     for trajectories, advantages in zip(groups, out, strict=True):
-        through = Counter(n for t in trajectories for n in t.nodes)
+        through = _through(trajectories)
         for t, adv in zip(trajectories, advantages, strict=True):
             for j, node in enumerate(t.node_of_token):
                 if (through[node] > 1) != keep_shared:
@@ -104,8 +114,7 @@ def spread(
     out = _GRPO(trees, groups)
     for trajectories, advantages in zip(groups, out, strict=True):
         for t, adv in zip(trajectories, advantages, strict=True):
-            n = len(t.nodes) - 1
-            share = (n - n // 2) / n if n else 1.0
+            share = _late_share(len(t.nodes) - 1)
             adv[:] = [a * share for a in adv]
     return out
 
@@ -118,9 +127,14 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     signed = {"shared": 0.0, "private": 0.0}
     net: dict[tuple[int, int, int], float] = defaultdict(float)  # (tree, node, token) -> sum A
     gross: dict[tuple[int, int, int], float] = defaultdict(float)
+    private_share, late_share = [], []  # per trajectory, of its turns
     for k, (trajectories, advantages) in enumerate(zip(groups, _GRPO(trees, groups), strict=True)):
-        through = Counter(n for t in trajectories for n in t.nodes)
+        through = _through(trajectories)
         for t, adv in zip(trajectories, advantages, strict=True):
+            turns = t.nodes[1:]
+            if turns:
+                private_share.append(sum(through[n] == 1 for n in turns) / len(turns))
+                late_share.append(_late_share(len(turns)))
             start: dict[int, int] = {}
             for j, (node, m) in enumerate(zip(t.node_of_token, t.loss_mask, strict=True)):
                 if not m:
@@ -133,15 +147,6 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                     key = (k, node, j - start.setdefault(node, j))
                     net[key] += adv[j]
                     gross[key] += abs(adv[j])
-    # per trajectory: the share of its turns that are private, and the share `late` keeps
-    private_share, late_share = [], []
-    for trajectories in groups:
-        through = Counter(n for t in trajectories for n in t.nodes)
-        for t in trajectories:
-            turns = t.nodes[1:]
-            if turns:
-                private_share.append(sum(through[n] == 1 for n in turns) / len(turns))
-                late_share.append((len(turns) - len(turns) // 2) / len(turns))
     total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
     shared_gross = sum(gross.values())
     return {
