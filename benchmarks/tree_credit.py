@@ -13,6 +13,13 @@ user's estimator):
 
 - `shared`: the advantage on turns that two or more trajectories of the group pass through;
 - `private`: the advantage on turns only one trajectory passes through;
+- `shared_even`: `shared` with every shared node weighted alike: each trajectory's advantage on
+  a turn k trajectories pass through divided by k (the node's summed credit is then its
+  trajectories' mean advantage instead of k times it), times one constant per group that gives
+  the group's shared tokens GRPO's total |A| mass back. It asks whether `shared` fails by what
+  it credits or by how it weights the nodes: the number of trajectories through a node grows
+  with the forks drawn below it, and fork points are drawn over the nodes of the episodes that
+  ran longest;
 - `late`: for flat groups, which share no turn, the advantage on the later half of each
   trajectory's turns (turn i of n from 0 kept when i >= n // 2), the turns a fork at a random
   point would have left to it alone: where a tree's private turns are, without the tree;
@@ -41,6 +48,11 @@ share `late` would keep:
         --tasks 64 --output DIR --set rollout.M=2 --set rollout.N=2 --set rollout.L=1 \
         --set rollout.env_step_budget=16 --set rollout.budget_reserve=true
     python benchmarks/tree_credit.py DIR [--json OUT]
+
+With `--ends` it says instead how the rollout's episodes end (`how_they_end`): the shares that
+succeed, that the env ends without a reward (FrozenLake's holes) and that reach the turn limit,
+and their mean turns, e.g. for a trained checkpoint's flat samples (`--policy RUN/checkpoints/
+step_000040 --rollout grpo`).
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agentree.algorithms.advantages import advantage_estimator, treerl_node_values
-from agentree.tree import Trajectory, Tree
+from agentree.tree import EndReason, Trajectory, Tree
 
 _GRPO = advantage_estimator("grpo", {})
 
@@ -85,6 +97,27 @@ def shared(
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages, zero on every turn only one trajectory of the group reaches."""
     return _kept(trees, groups, keep_shared=True)
+
+
+def shared_even(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """`shared` with each node's credit its trajectories' mean advantage, rescaled per group to
+    `shared`'s |A| mass on the shared tokens."""
+    out = _kept(trees, groups, keep_shared=True)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        through = _through(trajectories)
+        before = after = 0.0
+        for t, adv in zip(trajectories, advantages, strict=True):
+            for j, (node, m) in enumerate(zip(t.node_of_token, t.loss_mask, strict=True)):
+                a = adv[j] / through[node]
+                if m:  # the mass the loss sees: policy tokens
+                    before, after = before + abs(adv[j]), after + abs(a)
+                adv[j] = a
+        if after:
+            for adv in advantages:
+                adv[:] = [a * before / after for a in adv]
+    return out
 
 
 def private(
@@ -165,17 +198,39 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     }
 
 
+def how_they_end(trees: Sequence[Tree]) -> dict[str, float | int]:
+    """How a rollout's episodes end: the share that succeed (the env ends them with a positive
+    reward), that fail (the env ends them without one: FrozenLake's holes), that reach the turn
+    limit, and the mean turns of each kind."""
+    kinds: dict[str, list[int]] = {"success": [], "failure": [], "turn_limit": [], "other": []}
+    for tree in trees:
+        for t in tree.trajectories():
+            if t.end_reason == EndReason.COMPLETED:
+                kind = "success" if t.reward > 0 else "failure"
+            else:
+                kind = "turn_limit" if t.end_reason == EndReason.MAX_TURNS else "other"
+            kinds[kind].append(t.num_turns)
+    n = sum(map(len, kinds.values()))
+    out: dict[str, float | int] = {"episodes": n}
+    for kind, turns in kinds.items():
+        out[f"{kind}_share"] = len(turns) / max(n, 1)
+        out[f"{kind}_turns"] = sum(turns) / len(turns) if turns else 0.0
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("rollout", type=Path, help="an `agentree rollout --output` directory")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ends", action="store_true", help="how the episodes end, instead")
     args = ap.parse_args()
     paths = sorted((args.rollout / "trees").glob("*.json"))
     if not paths:
         raise SystemExit(
             f"no trees in {args.rollout / 'trees'}; give an agentree rollout's --output"
         )
-    out = where_it_lands([Tree.load(p) for p in paths])
+    trees = [Tree.load(p) for p in paths]
+    out = how_they_end(trees) if args.ends else where_it_lands(trees)
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -472,3 +472,62 @@ def test_grpo_on_the_later_half_of_flat_trajectories():
         [pytest.approx(lose * 2 / 3)] * 3,
         [pytest.approx(lose / 2)] * 4,
     ]
+
+
+def test_grpo_on_shared_turns_with_every_node_weighted_alike():
+    # benchmarks/tree_credit.py `shared_even`: tau1-tau3 share A, tau2 and tau3 also B; tau4
+    # shares nothing. R = 1, 0, 0, 0: mean 1/4, sample std 1/2, so win 3/2 and lose -1/2.
+    credit = load_benchmark("tree_credit")
+    tree = build(
+        [
+            [("down", "A", 0.0), ("right", "G", 1.0)],
+            [("down", "A", 0.0), ("down", "B", 0.0), ("left", "H", 0.0)],
+            [("down", "A", 0.0), ("down", "B", 0.0), ("up", "D", 0.0)],
+            [("right", "C", 0.0), ("up", "C", 0.0)],
+        ]
+    )
+    s = 0.5 + 1e-6
+    win, lose = 0.75 / s, -0.25 / s
+    assert per_turn(tree, credit.shared([tree], [tree.trajectories()])[0]) == [
+        [pytest.approx(win), 0.0],
+        [pytest.approx(lose), pytest.approx(lose), 0.0],
+        [pytest.approx(lose), pytest.approx(lose), 0.0],
+        [0.0, 0.0],
+    ]
+    # divided by the trajectories through each node (A: 3, B: 2), the shared |A| mass falls
+    # from |win| + 4 |lose| = 3.5/(2s) to |win|/3 + 2 |lose|/3 + 2 |lose|/2 = (4/3)/(2s);
+    # the constant 3.5 / (4/3) = 21/8 gives it back
+    c = 21 / 8
+    got = per_turn(tree, credit.shared_even([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(c * win / 3), 0.0],
+        [pytest.approx(c * lose / 3), pytest.approx(c * lose / 2), 0.0],
+        [pytest.approx(c * lose / 3), pytest.approx(c * lose / 2), 0.0],
+        [0.0, 0.0],
+    ]
+    # each node's summed credit is c times its trajectories' mean advantage
+    assert got[0][0] + got[1][0] + got[2][0] == pytest.approx(c * (win + 2 * lose) / 3)
+    assert got[1][1] + got[2][1] == pytest.approx(c * lose)
+
+
+def test_how_a_rollouts_episodes_end():
+    # benchmarks/tree_credit.py `how_they_end`: GIGPO_PATHS' three episodes all end in DONE,
+    # one with reward 1 (two turns), two without (three turns and two)
+    # and a fourth of one turn that the env truncates at its turn limit
+    credit = load_benchmark("tree_credit")
+    tree = flat(GIGPO_PATHS)
+    tree.add_child(
+        0,
+        action="up",
+        action_ids=[99],
+        observation="grid S0",
+        reward=0.0,
+        end_reason=EndReason.MAX_TURNS,
+        info={"state_key": "S0"},
+    )
+    ends = credit.how_they_end([tree])
+    assert ends["episodes"] == 4
+    assert ends["success_share"] == 0.25 and ends["success_turns"] == 2
+    assert ends["failure_share"] == 0.5 and ends["failure_turns"] == 2.5
+    assert ends["turn_limit_share"] == 0.25 and ends["turn_limit_turns"] == 1
+    assert ends["other_share"] == 0
