@@ -52,7 +52,9 @@ share `late` would keep:
 With `--ends` it says instead how the rollout's episodes end (`how_they_end`): the shares that
 succeed, that the env ends without a reward (FrozenLake's holes) and that reach the turn limit,
 and their mean turns, e.g. for a trained checkpoint's flat samples (`--policy RUN/checkpoints/
-step_000040 --rollout grpo`).
+step_000040 --rollout grpo`). With `--moves`, for grid envs whose nodes report `pos` and
+`desc` (FrozenLake), GRPO's advantage summed by the kind of move each turn makes (`by_move`:
+closer to G, no move, away, into a hole, onto G), on the shared and the private turns apart.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ import argparse
 import json
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 from agentree.algorithms.advantages import advantage_estimator, treerl_node_values
+from agentree.envs.frozenlake import distances_to_goal
 from agentree.tree import EndReason, Trajectory, Tree
 
 _GRPO = advantage_estimator("grpo", {})
@@ -198,6 +202,49 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     }
 
 
+MOVES = ("closer", "stay", "away", "hole", "goal")
+
+
+def _move(desc: Sequence[str], before: tuple[int, int], after: tuple[int, int]) -> str:
+    """A grid move's class: onto G, into a hole, no move (the map's edge), closer to G by the
+    shortest path with holes blocked, or away (not closer, though it moved)."""
+    cell = desc[after[0]][after[1]]
+    if cell == "G":
+        return "goal"
+    if cell == "H":
+        return "hole"
+    if after == before:
+        return "stay"
+    to_goal = distances_to_goal(desc)
+    far = len(desc) * len(desc[0])  # a cell that cannot reach G
+    return "closer" if to_goal.get(after, far) < to_goal.get(before, far) else "away"
+
+
+def by_move(trees: Sequence[Tree]) -> dict[str, dict[str, dict[str, float]]]:
+    """GRPO's advantage per (trajectory, turn) pair, summed by the turn's move (`_move`), on the
+    shared and on the private turns apart: what each part pushes up (a positive sum) and down.
+    For grid envs whose nodes report `pos` and `desc` (FrozenLake)."""
+    out = {part: {m: {"pairs": 0, "sum": 0.0} for m in MOVES} for part in ("shared", "private")}
+    for tree in trees:
+        trajectories = tree.trajectories()
+        through = _through(trajectories)
+        for t, adv in zip(trajectories, _GRPO([tree], [trajectories])[0], strict=True):
+            value = {}  # node -> the advantage on its first policy token
+            for node, m, a in zip(t.node_of_token, t.loss_mask, adv, strict=True):
+                if m:
+                    value.setdefault(node, a)
+            for parent, node in pairwise(t.nodes):
+                env, before = tree.nodes[node].info["env"], tree.nodes[parent].info["env"]
+                move = _move(env["desc"], tuple(before["pos"]), tuple(env["pos"]))
+                cell = out["shared" if through[node] > 1 else "private"][move]
+                cell["pairs"] += 1
+                cell["sum"] += value.get(node, 0.0)
+    for part in out.values():
+        for cell in part.values():
+            cell["mean"] = cell["sum"] / cell["pairs"] if cell["pairs"] else 0.0
+    return out
+
+
 def how_they_end(trees: Sequence[Tree]) -> dict[str, float | int]:
     """How a rollout's episodes end: the share that succeed (the env ends them with a positive
     reward), that fail (the env ends them without one: FrozenLake's holes), that reach the turn
@@ -223,6 +270,7 @@ def main() -> None:
     ap.add_argument("rollout", type=Path, help="an `agentree rollout --output` directory")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--ends", action="store_true", help="how the episodes end, instead")
+    ap.add_argument("--moves", action="store_true", help="the advantage by move, instead")
     args = ap.parse_args()
     paths = sorted((args.rollout / "trees").glob("*.json"))
     if not paths:
@@ -230,7 +278,13 @@ def main() -> None:
             f"no trees in {args.rollout / 'trees'}; give an agentree rollout's --output"
         )
     trees = [Tree.load(p) for p in paths]
-    out = how_they_end(trees) if args.ends else where_it_lands(trees)
+    out = (
+        how_they_end(trees)
+        if args.ends
+        else by_move(trees)
+        if args.moves
+        else where_it_lands(trees)
+    )
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -531,3 +531,49 @@ def test_how_a_rollouts_episodes_end():
     assert ends["failure_share"] == 0.5 and ends["failure_turns"] == 2.5
     assert ends["turn_limit_share"] == 0.25 and ends["turn_limit_turns"] == 1
     assert ends["other_share"] == 0
+
+
+def test_grpo_advantage_summed_by_move_on_shared_and_private_turns():
+    # benchmarks/tree_credit.py `by_move` on the 2x2 map S F / H G (distance to G: F 1, S 2).
+    # tau1: right (closer), down (onto G), R = 1; tau2: the same right, then left (away: back
+    # to S) and down (into the hole); tau3: up (the map's edge: stay), down (into the hole).
+    # R = 1, 0, 0: win (2/3)/s, lose (-1/3)/s with s = sqrt(1/3); only the first right is shared.
+    credit = load_benchmark("tree_credit")
+    desc = ["SF", "HG"]
+    t = Tree("task")
+
+    def env(pos: tuple[int, int]) -> dict:
+        return {"env": {"pos": list(pos), "goal": [1, 1], "desc": desc}}
+
+    t.add_root("grid", [100], env((0, 0)))
+
+    def step(parent: int, action: str, pos: tuple[int, int], reward: float = 0.0, end=None) -> int:
+        return t.add_child(
+            parent,
+            action=action,
+            action_ids=[len(t.nodes)],
+            observation="grid",
+            reward=reward,
+            end_reason=end,
+            info=env(pos),
+        ).id
+
+    right = step(0, "right", (0, 1))
+    step(right, "down", (1, 1), 1.0, DONE)
+    step(step(right, "left", (0, 0)), "down", (1, 0), 0.0, DONE)
+    step(step(0, "up", (0, 0)), "down", (1, 0), 0.0, DONE)
+    s = math.sqrt(1 / 3) + 1e-6
+    win, lose = (2 / 3) / s, (-1 / 3) / s
+    got = credit.by_move([t])
+    assert got["shared"]["closer"]["pairs"] == 2
+    assert got["shared"]["closer"]["sum"] == pytest.approx(win + lose)
+    assert all(got["shared"][m]["pairs"] == 0 for m in ("stay", "away", "hole", "goal"))
+    private = {m: (c["pairs"], c["sum"]) for m, c in got["private"].items()}
+    assert private == {
+        "closer": (0, 0.0),
+        "stay": (1, pytest.approx(lose)),
+        "away": (1, pytest.approx(lose)),
+        "hole": (2, pytest.approx(2 * lose)),
+        "goal": (1, pytest.approx(win)),
+    }
+    assert got["private"]["hole"]["mean"] == pytest.approx(lose)
