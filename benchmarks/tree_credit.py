@@ -50,7 +50,7 @@ share `late` would keep:
     python benchmarks/tree_credit.py DIR [--json OUT]
 
 With `--ends` it says instead how the rollout's episodes end (`how_they_end`): the shares that
-succeed, that the env ends without a reward (FrozenLake's holes) and that reach the turn limit,
+succeed, that the env ends unsolved (FrozenLake's holes) and that reach the turn limit,
 and their mean turns, e.g. for a trained checkpoint's flat samples (`--policy RUN/checkpoints/
 step_000040 --rollout grpo`). With `--moves`, for grid envs whose nodes report `pos` and
 `desc` (FrozenLake), GRPO's advantage summed by the kind of move each turn makes (`by_move`:
@@ -246,14 +246,16 @@ def by_move(trees: Sequence[Tree]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def how_they_end(trees: Sequence[Tree]) -> dict[str, float | int]:
-    """How a rollout's episodes end: the share that succeed (the env ends them with a positive
-    reward), that fail (the env ends them without one: FrozenLake's holes), that reach the turn
-    limit, and the mean turns of each kind."""
+    """How a rollout's episodes end: the share that succeed (the tree's success rule), that the
+    env ends without success (FrozenLake's holes), that reach the turn limit unsolved, and the
+    mean turns of each kind."""
     kinds: dict[str, list[int]] = {"success": [], "failure": [], "turn_limit": [], "other": []}
     for tree in trees:
         for t in tree.trajectories():
-            if t.end_reason == EndReason.COMPLETED:
-                kind = "success" if t.reward > 0 else "failure"
+            if tree.success(t.leaf):
+                kind = "success"
+            elif t.end_reason == EndReason.COMPLETED:
+                kind = "failure"
             else:
                 kind = "turn_limit" if t.end_reason == EndReason.MAX_TURNS else "other"
             kinds[kind].append(t.num_turns)
