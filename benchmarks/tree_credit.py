@@ -20,6 +20,8 @@ user's estimator):
   it credits or by how it weights the nodes: the number of trajectories through a node grows
   with the forks drawn below it, and fork points are drawn over the nodes of the episodes that
   ran longest;
+- `shared_last`: `shared` plus each trajectory's last turn, the move that ends its episode
+  (onto the goal, into a hole), which is always private;
 - `late`: for flat groups, which share no turn, the advantage on the later half of each
   trajectory's turns (turn i of n from 0 kept when i >= n // 2), the turns a fork at a random
   point would have left to it alone: where a tree's private turns are, without the tree;
@@ -121,6 +123,21 @@ def shared_even(
         if after:
             for adv in advantages:
                 adv[:] = [a * before / after for a in adv]
+    return out
+
+
+def shared_last(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages on the shared turns and on each trajectory's last turn (the
+    move that ends its episode), zero on its other private turns."""
+    out = _GRPO(trees, groups)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        through = _through(trajectories)
+        for t, adv in zip(trajectories, advantages, strict=True):
+            for j, node in enumerate(t.node_of_token):
+                if through[node] == 1 and node != t.leaf:
+                    adv[j] = 0.0
     return out
 
 

@@ -422,6 +422,12 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
         [0.0, pytest.approx(lose), pytest.approx(lose)],
         [pytest.approx(lose), pytest.approx(lose)],
     ]
+    # `shared_last` adds each trajectory's last turn (all three leaves are private)
+    assert per_turn(tree, credit.shared_last([tree], [trajs])[0]) == [
+        [pytest.approx(win), pytest.approx(win)],
+        [pytest.approx(lose), 0.0, pytest.approx(lose)],
+        [0.0, pytest.approx(lose)],
+    ]
     # the estimator seam resolves it as a run does (`train.advantage=tree_credit:shared`)
     grpo = compute_advantages("grpo", [tree], [trajs])[0]
     split = compute_advantages("tree_credit:shared", [tree], [trajs])[0]
