@@ -64,7 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -86,14 +86,18 @@ def _late_share(n: int) -> float:
 
 
 def _kept(
-    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], *, keep_shared: bool
+    trees: Sequence[Tree],
+    groups: Sequence[Sequence[Trajectory]],
+    keep: Callable[[Trajectory, int, dict[int, int]], bool],
 ) -> list[list[list[float]]]:
+    """GRPO's per-token advantages, zero on the tokens of every node `keep(trajectory, node,
+    through)` refuses (`through`: the group's trajectories through each node)."""
     out = _GRPO(trees, groups)
     for trajectories, advantages in zip(groups, out, strict=True):
         through = _through(trajectories)
         for t, adv in zip(trajectories, advantages, strict=True):
             for j, node in enumerate(t.node_of_token):
-                if (through[node] > 1) != keep_shared:
+                if not keep(t, node, through):
                     adv[j] = 0.0
     return out
 
@@ -102,7 +106,7 @@ def shared(
     trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages, zero on every turn only one trajectory of the group reaches."""
-    return _kept(trees, groups, keep_shared=True)
+    return _kept(trees, groups, lambda _t, node, through: through[node] > 1)
 
 
 def shared_even(
@@ -110,7 +114,7 @@ def shared_even(
 ) -> list[list[list[float]]]:
     """`shared` with each node's credit its trajectories' mean advantage, rescaled per group to
     `shared`'s |A| mass on the shared tokens."""
-    out = _kept(trees, groups, keep_shared=True)
+    out = shared(trees, groups)
     for trajectories, advantages in zip(groups, out, strict=True):
         through = _through(trajectories)
         before = after = 0.0
@@ -131,34 +135,22 @@ def shared_last(
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages on the shared turns and on each trajectory's last turn (the
     move that ends its episode), zero on its other private turns."""
-    out = _GRPO(trees, groups)
-    for trajectories, advantages in zip(groups, out, strict=True):
-        through = _through(trajectories)
-        for t, adv in zip(trajectories, advantages, strict=True):
-            for j, node in enumerate(t.node_of_token):
-                if through[node] == 1 and node != t.leaf:
-                    adv[j] = 0.0
-    return out
+    return _kept(trees, groups, lambda t, node, through: through[node] > 1 or node == t.leaf)
 
 
 def private(
     trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages, zero on every turn two or more trajectories share."""
-    return _kept(trees, groups, keep_shared=False)
+    return _kept(trees, groups, lambda _t, node, through: through[node] == 1)
 
 
 def late(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[list[list[float]]]:
     """GRPO's per-token advantages, zero on the first n // 2 of each trajectory's n turns."""
-    out = _GRPO(trees, groups)
-    for trajectories, advantages in zip(groups, out, strict=True):
-        for t, adv in zip(trajectories, advantages, strict=True):
-            turns = t.nodes[1:]  # below the root, one node per turn
-            early = set(turns[: len(turns) // 2])
-            for j, node in enumerate(t.node_of_token):
-                if node in early:
-                    adv[j] = 0.0
-    return out
+    # t.nodes[0] is the root; turn i of n is t.nodes[1 + i], early when i < n // 2
+    return _kept(
+        trees, groups, lambda t, node, _: node not in t.nodes[1 : 1 + (len(t.nodes) - 1) // 2]
+    )
 
 
 def spread(
@@ -222,9 +214,15 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
 MOVES = ("closer", "stay", "away", "hole", "goal")
 
 
-def _move(desc: Sequence[str], before: tuple[int, int], after: tuple[int, int]) -> str:
+def _move(
+    desc: Sequence[str],
+    to_goal: dict[tuple[int, int], int],
+    before: tuple[int, int],
+    after: tuple[int, int],
+) -> str:
     """A grid move's class: onto G, into a hole, no move (the map's edge), closer to G by the
-    shortest path with holes blocked, or away (not closer, though it moved)."""
+    shortest path with holes blocked (`to_goal`, `distances_to_goal(desc)`), or away (not
+    closer, though it moved)."""
     cell = desc[after[0]][after[1]]
     if cell == "G":
         return "goal"
@@ -232,7 +230,6 @@ def _move(desc: Sequence[str], before: tuple[int, int], after: tuple[int, int]) 
         return "hole"
     if after == before:
         return "stay"
-    to_goal = distances_to_goal(desc)
     far = len(desc) * len(desc[0])  # a cell that cannot reach G
     return "closer" if to_goal.get(after, far) < to_goal.get(before, far) else "away"
 
@@ -245,6 +242,8 @@ def by_move(trees: Sequence[Tree]) -> dict[str, dict[str, dict[str, float]]]:
     for tree in trees:
         trajectories = tree.trajectories()
         through = _through(trajectories)
+        desc = tree.nodes[0].info["env"]["desc"]  # one map a task
+        to_goal = distances_to_goal(desc)
         for t, adv in zip(trajectories, _GRPO([tree], [trajectories])[0], strict=True):
             value = {}  # node -> the advantage on its first policy token
             for node, m, a in zip(t.node_of_token, t.loss_mask, adv, strict=True):
@@ -252,7 +251,7 @@ def by_move(trees: Sequence[Tree]) -> dict[str, dict[str, dict[str, float]]]:
                     value.setdefault(node, a)
             for parent, node in pairwise(t.nodes):
                 env, before = tree.nodes[node].info["env"], tree.nodes[parent].info["env"]
-                move = _move(env["desc"], tuple(before["pos"]), tuple(env["pos"]))
+                move = _move(desc, to_goal, tuple(before["pos"]), tuple(env["pos"]))
                 cell = out["shared" if through[node] > 1 else "private"][move]
                 cell["pairs"] += 1
                 cell["sum"] += value.get(node, 0.0)
