@@ -22,6 +22,8 @@ user's estimator):
   ran longest;
 - `shared_last`: `shared` plus each trajectory's last turn, the move that ends its episode
   (onto the goal, into a hole), which is always private;
+- `last`: each trajectory's last turn alone, the control for `shared_last`: what the shared
+  turns add to the episode-ending credit;
 - `late`: for flat groups, which share no turn, the advantage on the later half of each
   trajectory's turns (turn i of n from 0 kept when i >= n // 2), the turns a fork at a random
   point would have left to it alone: where a tree's private turns are, without the tree;
@@ -136,6 +138,11 @@ def shared_last(
     """GRPO's per-token advantages on the shared turns and on each trajectory's last turn (the
     move that ends its episode), zero on its other private turns."""
     return _kept(trees, groups, lambda t, node, through: through[node] > 1 or node == t.leaf)
+
+
+def last(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[list[list[float]]]:
+    """GRPO's per-token advantages on each trajectory's last turn alone, zero on the others."""
+    return _kept(trees, groups, lambda t, node, _: node == t.leaf)
 
 
 def private(

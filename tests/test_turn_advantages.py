@@ -428,6 +428,12 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
         [pytest.approx(lose), 0.0, pytest.approx(lose)],
         [0.0, pytest.approx(lose)],
     ]
+    # `last` keeps the last turn alone
+    assert per_turn(tree, credit.last([tree], [trajs])[0]) == [
+        [0.0, pytest.approx(win)],
+        [0.0, 0.0, pytest.approx(lose)],
+        [0.0, pytest.approx(lose)],
+    ]
     # the estimator seam resolves it as a run does (`train.advantage=tree_credit:shared`)
     grpo = compute_advantages("grpo", [tree], [trajs])[0]
     split = compute_advantages("tree_credit:shared", [tree], [trajs])[0]
