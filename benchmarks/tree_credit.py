@@ -30,6 +30,8 @@ user's estimator):
 - `spread`: the control for `late`: each trajectory's advantage times the share of its turns
   `late` keeps ((n - n // 2) / n), on every turn, so each trajectory carries the advantage
   mass `late` gives it, spread over all its turns instead of the later ones.
+- `spread_last`: the same control for `last`: each trajectory's advantage times 1 / n on every
+  one of its n turns, about the mass `last` gives it (turns of one length) spread over all of them.
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
@@ -160,16 +162,30 @@ def late(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[
     )
 
 
+def _scaled(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]], share: Callable[[int], float]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages times `share(n)` for a trajectory of n turns, on every turn."""
+    out = _GRPO(trees, groups)
+    for trajectories, advantages in zip(groups, out, strict=True):
+        for t, adv in zip(trajectories, advantages, strict=True):
+            k = share(len(t.nodes) - 1)
+            adv[:] = [a * k for a in adv]
+    return out
+
+
 def spread(
     trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
 ) -> list[list[list[float]]]:
     """GRPO's per-token advantages times (n - n // 2) / n for a trajectory of n turns."""
-    out = _GRPO(trees, groups)
-    for trajectories, advantages in zip(groups, out, strict=True):
-        for t, adv in zip(trajectories, advantages, strict=True):
-            share = _late_share(len(t.nodes) - 1)
-            adv[:] = [a * share for a in adv]
-    return out
+    return _scaled(trees, groups, _late_share)
+
+
+def spread_last(
+    trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[list[float]]]:
+    """GRPO's per-token advantages times 1 / n for a trajectory of n turns."""
+    return _scaled(trees, groups, lambda n: 1 / n if n else 1.0)
 
 
 def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:

@@ -484,6 +484,21 @@ def test_grpo_on_the_later_half_of_flat_trajectories():
         [pytest.approx(lose * 2 / 3)] * 3,
         [pytest.approx(lose / 2)] * 4,
     ]
+    # `last` keeps the last turn alone; `spread_last`, its control, 1/n of the advantage a turn
+    got = per_turn(tree, credit.last([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(win)],
+        [0.0, pytest.approx(lose)],
+        [0.0, 0.0, pytest.approx(lose)],
+        [0.0, 0.0, 0.0, pytest.approx(lose)],
+    ]
+    got = per_turn(tree, credit.spread_last([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(win)],
+        [pytest.approx(lose / 2)] * 2,
+        [pytest.approx(lose / 3)] * 3,
+        [pytest.approx(lose / 4)] * 4,
+    ]
 
 
 def test_grpo_on_shared_turns_with_every_node_weighted_alike():
