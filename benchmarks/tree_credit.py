@@ -32,6 +32,8 @@ user's estimator):
   mass `late` gives it, spread over all its turns instead of the later ones.
 - `spread_last`: the same control for `last`: each trajectory's advantage times 1 / n on every
   one of its n turns, about the mass `last` gives it (turns of one length) spread over all of them.
+  Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does, where
+  GRPO weighs a trajectory by its turns (and so does `spread`, whose share is about a half).
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
