@@ -148,7 +148,9 @@ class TrainConfig(_Section):
     log_ratio_clamp: float | None = Field(20.0, gt=0.0)
     """Clamp log(pi/pi_old) to +-this before exp (verl: 20), for stale data; null disables."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    """token-mean (DAPO) or seq-mean (GRPO)."""
+    """token-mean (DAPO) or seq-mean (GRPO). A sequence is what one row trains: the whole
+    trajectory, or under a history window (`engine.history: last:k`) each turn, so seq-mean
+    there weighs turns alike, and a trajectory by its number of turns as token-mean does."""
     advantage: str = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
     anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;

@@ -34,6 +34,12 @@ user's estimator):
   one of its n turns, about the mass `last` gives it (turns of one length) spread over all of them.
   Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does, where
   GRPO weighs a trajectory by its turns (and so does `spread`, whose share is about a half).
+- `even`: `spread_last` at GRPO's scale: each trajectory's advantage times N / n on every one of
+  its n turns, N the mean turns over all the step's trajectories (one constant a step), so
+  every trajectory weighs alike as under `spread_last` while the step's advantage mass stays
+  about GRPO's. It tells the weighting between trajectories from the size of the gradient. (A
+  sequence-mean loss does not: under a history window every turn is trained as its own
+  sequence, so `train.loss_agg=seq-mean` weighs turns alike, and a trajectory by its turns.)
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
@@ -48,9 +54,11 @@ token once per trajectory through it), their share of the advantage mass (sum of
 those tokens), and on the shared turns how much of that mass cancels (1 - |sum of A| / sum of
 |A| per shared token, weighted by the mass: 0 when the trajectories through a turn agree,
 1 when a success and a failure through it balance), and the mean advantage a token gets in
-each part (GRPO's advantages sum to zero over a group's trajectories, not over its tokens);
-and, averaged over trajectories, the share of a trajectory's turns that are private and the
-share `late` would keep:
+each part (GRPO's advantages sum to zero over a group's trajectories, not over its tokens),
+and the mass pushing sampled tokens down against the mass pushing them up (sum of |A| over the
+policy tokens with A < 0 over the sum with A > 0: 1 when every trajectory weighs alike, more
+when the failures run longer than the successes); and, averaged over trajectories, the share
+of a trajectory's turns that are private and the share `late` would keep:
 
     agentree rollout --config frozenlake_patr --rollout tree-grpo --policy tiny-warm \
         --tasks 64 --output DIR --set rollout.M=2 --set rollout.N=2 --set rollout.L=1 \
@@ -190,6 +198,14 @@ def spread_last(
     return _scaled(trees, groups, lambda n: 1 / n if n else 1.0)
 
 
+def even(trees: Sequence[Tree], groups: Sequence[Sequence[Trajectory]]) -> list[list[list[float]]]:
+    """GRPO's per-token advantages times N / n for a trajectory of n turns, N the mean turns
+    over every trajectory of the step."""
+    turns = [len(t.nodes) - 1 for g in groups for t in g]
+    mean = sum(turns) / len(turns) if turns else 1.0
+    return _scaled(trees, groups, lambda n: mean / n if n else 1.0)
+
+
 def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     """Token and advantage shares of the shared and private turns (the module docstring)."""
     groups = [t.trajectories() for t in trees]
@@ -199,6 +215,7 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     net: dict[tuple[int, int, int], float] = defaultdict(float)  # (tree, node, token) -> sum A
     gross: dict[tuple[int, int, int], float] = defaultdict(float)
     private_share, late_share = [], []  # per trajectory, of its turns
+    up = down = 0.0  # |A| mass of the policy tokens pushed up and down
     for k, (trajectories, advantages) in enumerate(zip(groups, _GRPO(trees, groups), strict=True)):
         through = _through(trajectories)
         for t, adv in zip(trajectories, advantages, strict=True):
@@ -212,6 +229,7 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                     continue
                 part = "shared" if through[node] > 1 else "private"
                 tokens[part] += 1
+                up, down = up + max(adv[j], 0.0), down + max(-adv[j], 0.0)
                 mass[part] += abs(adv[j])
                 signed[part] += adv[j]
                 if part == "shared":
@@ -233,6 +251,7 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
         "shared_mass_cancelled": (
             1 - sum(abs(v) for v in net.values()) / shared_gross if shared_gross else 0.0
         ),
+        "down_to_up_mass": down / up if up else 0.0,
     }
 
 

@@ -448,6 +448,8 @@ def test_grpo_split_into_shared_and_private_turns_adds_up_to_grpo():
     assert lands["shared_token_share"] == pytest.approx(2 / 7)
     assert lands["shared_mass_share"] == pytest.approx(1 / 3)
     assert lands["shared_mass_cancelled"] == pytest.approx(2 / 3)
+    # pushed down against up: 5 losing tokens of |lose| against 2 winning ones of win
+    assert lands["down_to_up_mass"] == pytest.approx(5 * (1 / 3) / (2 * (2 / 3)))
     # mean advantage a token gets: shared (win + lose) / 2, private (win + 4 lose) / 5
     assert lands["shared_mean_advantage"] == pytest.approx((win + lose) / 2)
     assert lands["private_mean_advantage"] == pytest.approx((win + 4 * lose) / 5)
@@ -499,6 +501,19 @@ def test_grpo_on_the_later_half_of_flat_trajectories():
         [pytest.approx(lose / 3)] * 3,
         [pytest.approx(lose / 4)] * 4,
     ]
+    # `even`: spread_last times the mean turns over the step's trajectories, here 2.5
+    got = per_turn(tree, credit.even([tree], [tree.trajectories()])[0])
+    assert got == [
+        [pytest.approx(win * 2.5)],
+        [pytest.approx(lose * 2.5 / 2)] * 2,
+        [pytest.approx(lose * 2.5 / 3)] * 3,
+        [pytest.approx(lose * 2.5 / 4)] * 4,
+    ]
+    # ... over every group of the step: with a second of two 6-turn trajectories, (10 + 12) / 6
+    other = flat([[(f"w{i}", "W", 0.0) for i in range(6)], [(f"l{i}", "L", 0.0) for i in range(6)]])
+    both = [tree, other]
+    got = per_turn(tree, credit.even(both, [t.trajectories() for t in both])[0])
+    assert got[3] == [pytest.approx(lose * 11 / 3 / 4)] * 4
 
 
 def test_grpo_on_shared_turns_with_every_node_weighted_alike():
