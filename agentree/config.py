@@ -150,7 +150,8 @@ class TrainConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """token-mean (DAPO) or seq-mean (GRPO). A sequence is what one row trains: the whole
     trajectory, or under a history window (`engine.history: last:k`) each turn, so seq-mean
-    there weighs turns alike, and a trajectory by its number of turns as token-mean does."""
+    there weighs every turn alike and a trajectory by its number of turns, not every
+    trajectory alike as Eq. 2 of the GRPO and PATR papers does."""
     advantage: str = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
     anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;
