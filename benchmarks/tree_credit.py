@@ -32,8 +32,9 @@ user's estimator):
   mass `late` gives it, spread over all its turns instead of the later ones.
 - `spread_last`: the same control for `last`: each trajectory's advantage times 1 / n on every
   one of its n turns, about the mass `last` gives it (turns of one length) spread over all of them.
-  Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does, where
-  GRPO weighs a trajectory by its turns (and so does `spread`, whose share is about a half).
+  Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does
+  without a history window, where GRPO weighs a trajectory by its turns (and so does `spread`,
+  whose share is about a half).
 - `even`: `spread_last` at GRPO's scale: each trajectory's advantage times N / n on every one of
   its n turns, N the mean turns over all the step's trajectories (one constant a step), so
   every trajectory weighs alike as under `spread_last` while the step's advantage mass stays
