@@ -216,7 +216,6 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
     net: dict[tuple[int, int, int], float] = defaultdict(float)  # (tree, node, token) -> sum A
     gross: dict[tuple[int, int, int], float] = defaultdict(float)
     private_share, late_share = [], []  # per trajectory, of its turns
-    up = down = 0.0  # |A| mass of the policy tokens pushed up and down
     for k, (trajectories, advantages) in enumerate(zip(groups, _GRPO(trees, groups), strict=True)):
         through = _through(trajectories)
         for t, adv in zip(trajectories, advantages, strict=True):
@@ -230,7 +229,6 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                     continue
                 part = "shared" if through[node] > 1 else "private"
                 tokens[part] += 1
-                up, down = up + max(adv[j], 0.0), down + max(-adv[j], 0.0)
                 mass[part] += abs(adv[j])
                 signed[part] += adv[j]
                 if part == "shared":
@@ -238,6 +236,8 @@ def where_it_lands(trees: Sequence[Tree]) -> dict[str, float | int]:
                     net[key] += adv[j]
                     gross[key] += abs(adv[j])
     total_tokens, total_mass = sum(tokens.values()), sum(mass.values())
+    net_mass = sum(signed.values())  # pushed up minus pushed down; their sum is total_mass
+    up, down = (total_mass + net_mass) / 2, (total_mass - net_mass) / 2
     shared_gross = sum(gross.values())
     return {
         "trees": len(trees),
