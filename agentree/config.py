@@ -148,10 +148,10 @@ class TrainConfig(_Section):
     log_ratio_clamp: float | None = Field(20.0, gt=0.0)
     """Clamp log(pi/pi_old) to +-this before exp (verl: 20), for stale data; null disables."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    """token-mean (DAPO) or seq-mean (GRPO). A sequence is what one row trains: the whole
-    trajectory, or under a history window (`engine.history: last:k`) each turn, so seq-mean
-    there weighs every turn alike and a trajectory by its number of turns, not every
-    trajectory alike as Eq. 2 of the GRPO and PATR papers does."""
+    """token-mean (DAPO: every policy token of the batch alike) or seq-mean (GRPO/PATR Eq. 2:
+    the mean over each trajectory's tokens, then over trajectories). Under a history window
+    (`engine.history: last:k`) each turn is trained as its own row, and seq-mean still weighs
+    every trajectory alike: a turn's tokens are divided by its whole trajectory's."""
     advantage: str = "grpo"
     """grpo: outcome reward normalised over the tree's group (PATR Eq. 9); gigpo: episode plus
     anchor-state step advantages; rtmc: Q(s, a) - V(s) from returns pooled over shared states;

@@ -134,6 +134,10 @@ class Trajectory:
     reward: float
     end_reason: EndReason
     num_turns: int
+    trajectory_tokens: int | None = None
+    """For a part of a trajectory trained as its own sequence (a turn under a history window):
+    the policy tokens of the whole trajectory, which seq-mean weighs each of its tokens by.
+    None for a whole trajectory."""
 
     @property
     def num_policy_tokens(self) -> int:
@@ -272,7 +276,8 @@ class Tree:
         or with a history window one per turn, its prompt (`context_ids` of the turn's parent,
         exactly what the policy was sampled against) then the action it sampled, the only
         tokens with loss mask 1. `node_of_token` names the node each id came from, so a
-        turn's action ids keep their node."""
+        turn's action ids keep their node, and `trajectory_tokens` is the policy tokens of all
+        the turns, so that seq-mean weighs the trajectory, not each turn, alike."""
         if self.history is None:
             return [traj]
         out = []
@@ -301,6 +306,9 @@ class Tree:
                     num_turns=traj.num_turns,
                 )
             )
+        total = sum(t.num_policy_tokens for t in out)
+        for t in out:
+            t.trajectory_tokens = total
         return out
 
     def trajectories(self, *, include_pruned: bool = True) -> list[Trajectory]:

@@ -198,7 +198,7 @@ def loss_grads(model: Any, micro: list[Any], device: torch.device, tc: Any) -> d
     from agentree.algorithms.packing import batch_logprobs
 
     model.zero_grad(set_to_none=True)
-    norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
+    norm = sum(loss_normalizer(b.mask, tc.loss_agg, b.seq_tokens) for b in micro)
     tokens = sum(float(b.mask.sum()) for b in micro)
     reset_peak(device)
     sync(device)
@@ -215,6 +215,7 @@ def loss_grads(model: Any, micro: list[Any], device: torch.device, tc: Any) -> d
                 eps_high=tc.eps_high,
                 agg=tc.loss_agg,
                 normalizer=norm,
+                seq_tokens=b.seq_tokens,
             )
             loss.backward()
     sync(device)

@@ -79,7 +79,7 @@ def rollout(name: str, tasks: int, max_tokens: int | None) -> tuple[Runtime, lis
 def gradients(model: Any, micro: list, tc: Any, ref: Any) -> dict[str, torch.Tensor]:
     """The accumulated gradient of one optimiser step (on-policy, KL to `ref`)."""
     model.zero_grad(set_to_none=True)
-    norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
+    norm = sum(loss_normalizer(b.mask, tc.loss_agg, b.seq_tokens) for b in micro)
     for b in micro:
         lp = batch_logprobs(model, b, 1.0)
         with torch.no_grad():
@@ -95,6 +95,7 @@ def gradients(model: Any, micro: list, tc: Any, ref: Any) -> dict[str, torch.Ten
             ref_logprobs=ref_lp,
             kl_coef=0.05,
             normalizer=norm,
+            seq_tokens=b.seq_tokens,
         )
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -12,7 +12,8 @@ import torch
 from helpers import load_benchmark
 
 from agentree.algorithms.advantages import compute_advantages
-from agentree.algorithms.packing import turn_samples
+from agentree.algorithms.loss import loss_normalizer, policy_loss
+from agentree.algorithms.packing import choose_layout, make_batch, turn_samples
 from agentree.chat import ChatFormat
 from agentree.config import EngineConfig, TrainConfig, load_config
 from agentree.engines.base import SamplingParams
@@ -159,6 +160,74 @@ def test_windowed_demonstrations_are_the_rollouts_turn_samples(engine):
                 assert e.loss_mask == mask
             checked += len(nodes) - 1 > k  # turns beyond the window were dropped
     assert checked > 0
+
+
+def _token_grads(trees, groups, advs, size):
+    """d loss / d log-prob of every policy token at rho = 1 under seq-mean, by (node, index in
+    the node's action), from the rows and micro-batches an update builds."""
+    samples, sample_advs = turn_samples(trees, groups, advs)
+    micro = choose_layout(samples, sample_advs, 0, size, "padded")
+    norm = sum(loss_normalizer(b.mask, "seq-mean", b.seq_tokens) for b in micro)
+    by_node: dict[int, list[float]] = {}
+    rows = sorted((t for g in samples for t in g), key=lambda t: len(t.token_ids))
+    for k, b in enumerate(micro):
+        lp = torch.zeros_like(b.mask, dtype=torch.float64).requires_grad_()
+        loss, _ = policy_loss(
+            lp, lp.detach(), b.adv.double(), b.mask, eps_low=0.2, eps_high=0.2,
+            agg="seq-mean", normalizer=norm, seq_tokens=b.seq_tokens,
+        )  # fmt: skip
+        loss.backward()
+        for i, traj in enumerate(rows[k * size : (k + 1) * size]):
+            for pos, (owner, m) in enumerate(zip(traj.node_of_token, traj.loss_mask, strict=True)):
+                if m:
+                    by_node.setdefault(owner, []).append(float(lp.grad[i, pos - 1]))
+    return norm, by_node
+
+
+def test_seq_mean_weighs_a_windowed_trajectory_as_the_whole_one():
+    """Eq. 2 under a window: a turn trained as its own row gives each of its tokens the weight
+    it has in the whole trajectory, A / (the trajectory's policy tokens x trajectories), in
+    whichever micro-batch it lands; the normaliser still counts trajectories."""
+    tree = Tree("t")
+    tree.add_root("o0", [1, 2])
+    a = tree.add_child(0, action="x", action_ids=[10, 11], logprobs=[0.0, 0.0], obs_ids=[3])
+    b = tree.add_child(a.id, action="y", action_ids=[12], logprobs=[0.0], obs_ids=[4, 5])
+    c = tree.add_child(b.id, action="z", action_ids=[13], logprobs=[0.0], reward=1.0)
+    d = tree.add_child(0, action="u", action_ids=[14], logprobs=[0.0], obs_ids=[6])
+    e = tree.add_child(d.id, action="v", action_ids=[15, 16], logprobs=[0.0, 0.0])
+    c.end_reason = e.end_reason = EndReason.COMPLETED
+    group = tree.trajectories()
+    assert [g.num_policy_tokens for g in group] == [4, 3]
+    advs = [
+        [
+            [1.0 if m else 0.0 for m in group[0].loss_mask],
+            [-1.0 if m else 0.0 for m in group[1].loss_mask],
+        ]
+    ]
+    whole = _token_grads([tree], [group], advs, size=8)
+    tree.meta["history"] = 1
+    turns = tree.turn_trajectories(group[0])
+    assert len(turns) == 3 and {t.trajectory_tokens for t in turns} == {4}
+    for size in (1, 2, 8):  # every turn its own micro-batch, pairs, all at once
+        norm, grads = _token_grads([tree], [group], advs, size)
+        assert norm == pytest.approx(2.0)
+        assert grads.keys() == whole[1].keys()
+        for node, want in whole[1].items():
+            assert grads[node] == pytest.approx(want, abs=1e-7)  # fp32 masks
+    # by hand: -A / (4 x 2) on the first trajectory's tokens, +1 / (3 x 2) on the second's
+    assert whole[1] == {
+        a.id: [pytest.approx(-1 / 8)] * 2,
+        b.id: [pytest.approx(-1 / 8)],
+        c.id: [pytest.approx(-1 / 8)],
+        d.id: [pytest.approx(1 / 6)],
+        e.id: [pytest.approx(1 / 6)] * 2,
+    }
+    # were each turn its own sequence, the three one-turn rows of the first trajectory would
+    # outweigh the second's two
+    for t in turns:
+        t.trajectory_tokens = None
+    rows = make_batch(turns, [[1.0] * len(t.token_ids) for t in turns], 0)
+    assert loss_normalizer(rows.mask, "seq-mean", rows.seq_tokens) == 3.0
 
 
 def test_windowed_by_hand():

@@ -102,6 +102,43 @@ def test_normalizer_counts_tokens_or_nonempty_sequences():
     assert aggregate(torch.ones(1, 3), torch.zeros(1, 3), "token-mean").item() == 0.0
 
 
+def test_seq_mean_weighs_a_trajectory_split_into_turns_as_one_sequence():
+    """Under a history window a trajectory's turns are separate rows; `seq_tokens` gives each
+    row its trajectory's policy tokens. Trajectory 1: turns of 1 and 2 tokens (3 in all),
+    A = +1; trajectory 2: one turn of 2 tokens, A = -1. At rho = 1 each token's loss is -A, so
+    Eq. 2 gives -((1 + 1 + 1) / 3 + (-1 - 1) / 2) / 2 = 0, where weighing the three rows alike
+    would give -(1 + 1 - 1) / 3."""
+    logp = torch.zeros(3, 2, dtype=F64)
+    adv = t([[1.0, 0.0], [1.0, 1.0], [-1.0, -1.0]])
+    mask = t([[1, 0], [1, 1], [1, 1]])
+    seq = t([3, 3, 2])
+    kw = dict(eps_low=0.2, eps_high=0.2, agg="seq-mean")
+    eq2, _ = policy_loss(logp, logp, adv, mask, seq_tokens=seq, **kw)
+    rows, _ = policy_loss(logp, logp, adv, mask, **kw)
+    assert eq2.item() == pytest.approx(0.0)
+    assert rows.item() == pytest.approx(-1 / 3)
+    # each row counts as its share of its trajectory: 1/3 + 2/3 + 2/2 = 2 trajectories
+    assert loss_normalizer(mask, "seq-mean", seq) == pytest.approx(2.0)
+    assert loss_normalizer(mask, "seq-mean") == 3.0
+    # the gradient on each token is -A / (its trajectory's tokens x trajectories)
+    x = logp.clone().requires_grad_()
+    policy_loss(x, logp, adv, mask, seq_tokens=seq, **kw)[0].backward()
+    want = t([[-1 / 6, 0.0], [-1 / 6, -1 / 6], [1 / 4, 1 / 4]])
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=1e-15)
+    # split across micro-batches (or ranks), the shares add up to the same normaliser
+    parts = [slice(0, 1), slice(1, 3)]
+    norm = sum(loss_normalizer(mask[c], "seq-mean", seq[c]) for c in parts)
+    total = sum(
+        policy_loss(logp[c], logp[c], adv[c], mask[c], seq_tokens=seq[c], normalizer=norm, **kw)[
+            0
+        ].item()
+        for c in parts
+    )
+    assert norm == pytest.approx(2.0) and total == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(ValueError, match="seq_tokens"):
+        loss_normalizer(mask, "seq-mean", t([3, 2]))
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
 def test_micro_batch_accumulation_equals_the_full_batch_gradient(agg):
     g = torch.Generator().manual_seed(0)

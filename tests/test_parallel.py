@@ -42,10 +42,23 @@ VARIANTS = {
     "accumulate": ["train.micro_batch_size=1"],
     "lora": ["train.micro_batch_size=2", "train.lora.r=4", "train.lora.alpha=8"],
     "packed": ["train.micro_batch_size=2", "train.packing=tree", "train.logits_chunk=7"],
+    "window": ["train.micro_batch_size=1", "train.loss_agg=seq-mean"],
 }
 """Each trains on the fixed batch; `accumulate` gives each rank several micro-batches (and one
 an all-masked filler when their count is odd); `packed` trains tree-packed rows on the ranks,
-through the output layer in slices of 7 tokens (`train.logits_chunk`)."""
+through the output layer in slices of 7 tokens (`train.logits_chunk`); `window` trains the
+batch's trees under a history window of one turn (`WINDOWED`) with seq-mean, so a trajectory's
+turns are rows on both ranks and each counts as its share of a trajectory in the normaliser."""
+WINDOWED = {"window"}
+
+
+def load_batch(path: Path, variant: str = "whole") -> tuple[list, list]:
+    """The fixed batch, its trees under a history window of one turn for `WINDOWED` variants."""
+    trees, groups = torch.load(path, weights_only=False)
+    if variant in WINDOWED:
+        for tree in trees:
+            tree.meta["history"] = 1
+    return trees, groups
 
 
 def cfg_for(out: Path, *extra: str):
@@ -115,10 +128,12 @@ def async_loop(tr: Trainer) -> list[dict[str, float]]:
     return out
 
 
-def single_process(batch: Path, out: Path, extra: list[str], updates: int) -> list[dict]:
+def single_process(
+    batch: Path, out: Path, extra: list[str], updates: int, variant: str = "whole"
+) -> list[dict]:
     """The reference: the update on one process (the ordinary trainer, or LoRA without FSDP)."""
     tr = Trainer(cfg_for(out, *extra), out, log=quiet)
-    trees, groups = torch.load(batch, weights_only=False)
+    trees, groups = load_batch(batch, variant)
     states = [full_state(tr.model)]
     for step in range(updates):
         tr.step = step  # the learning-rate schedule follows the step, as in the loop
@@ -151,13 +166,12 @@ def _rank_main(rank: int, world: int, port: int, batch: Path, out: Path) -> None
         torch.save(state, run / "params.pt")
     tr.close()
 
-    trees, groups = torch.load(batch, weights_only=False)
     for name, extra in VARIANTS.items():
         run = out / name
         cfg = cfg_for(run, *extra, *sharded)
         tr = Trainer(cfg, run, log=quiet)
         loaded = full_state(tr.model)  # rank 1 built it on the meta device, rank 0 sent shards
-        tr.update(trees, groups)
+        tr.update(*load_batch(batch, name))
         tr.step = 1
         tr.publish()
         state = full_state(tr.model)
@@ -189,9 +203,14 @@ def two_ranks(fixed_batch, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("variant", ["whole", "accumulate"])
+@pytest.mark.parametrize("variant", ["whole", "accumulate", "window"])
 def test_two_fsdp_ranks_match_one_process(variant, two_ranks, fixed_batch, tmp_path):
-    init, want = single_process(fixed_batch, tmp_path, VARIANTS[variant], updates=1)
+    if variant in WINDOWED:  # some trajectory is split into turn rows
+        trees, groups = load_batch(fixed_batch, variant)
+        pairs = zip(trees, groups, strict=True)
+        rows = sum(len(tree.turn_trajectories(t)) for tree, g in pairs for t in g)
+        assert rows > sum(map(len, groups))
+    init, want = single_process(fixed_batch, tmp_path, VARIANTS[variant], 1, variant)
     loaded = torch.load(two_ranks / variant / "loaded.pt")
     assert loaded.keys() == init.keys()
     assert all(torch.equal(loaded[k], init[k]) for k in init)  # sharded load: exact
@@ -277,14 +296,14 @@ def _surrogate(tr, micro, old) -> float:
     from agentree.algorithms.packing import batch_logprobs
 
     tc = tr.cfg.train
-    norm = sum(loss_normalizer(b.mask, tc.loss_agg) for b in micro)
+    norm = sum(loss_normalizer(b.mask, tc.loss_agg, b.seq_tokens) for b in micro)
     total = 0.0
     with torch.no_grad():
         for b, o in zip(micro, old, strict=True):
             lp = batch_logprobs(tr.model, b, 1.0)
             loss, _ = policy_loss(
                 lp, o, b.adv, b.mask, eps_low=tc.eps_low, eps_high=tc.eps_high,
-                agg=tc.loss_agg, normalizer=norm,
+                agg=tc.loss_agg, normalizer=norm, seq_tokens=b.seq_tokens,
             )  # fmt: skip
             total += float(loss)
     return total

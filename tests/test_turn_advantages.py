@@ -516,6 +516,44 @@ def test_grpo_on_the_later_half_of_flat_trajectories():
     assert got[3] == [pytest.approx(lose * 11 / 3 / 4)] * 4
 
 
+def test_even_under_token_mean_trains_what_seq_mean_trains_under_a_window():
+    """With one token a move, benchmarks/tree_credit.py `even` (GRPO x N / n, token-mean) gives
+    every token of trajectory i the weight A_i / (n_i T) that GRPO under seq-mean gives it when
+    a history window trains each turn as its own row (Eq. 2 as printed)."""
+    import torch
+
+    from agentree.algorithms.loss import loss_normalizer, policy_loss
+    from agentree.algorithms.packing import make_batch, turn_samples
+
+    credit = load_benchmark("tree_credit")
+    win, lose = [("r", "G", 1.0)], [("d", "B", 0.0)]
+    trees = [
+        flat([win, lose + lose, lose * 3, lose * 4]),
+        flat([win * 1, lose * 6, win * 1]),
+    ]
+    for tree in trees:
+        tree.meta["history"] = 1
+    groups = [t.trajectories() for t in trees]
+
+    def grads(advs, agg):
+        samples, sample_advs = turn_samples(trees, groups, advs)
+        rows = [t for g in samples for t in g]
+        b = make_batch(rows, [a for g in sample_advs for a in g], 0)
+        lp = torch.zeros_like(b.mask, dtype=torch.float64).requires_grad_()
+        loss, _ = policy_loss(
+            lp, lp.detach(), b.adv.double(), b.mask, eps_low=0.2, eps_high=0.2, agg=agg,
+            normalizer=loss_normalizer(b.mask, agg, b.seq_tokens), seq_tokens=b.seq_tokens,
+        )  # fmt: skip
+        loss.backward()
+        return (lp.grad * b.mask).sum(-1)  # one policy token a row
+
+    grpo = [[list(a) for a in g] for g in credit._GRPO(trees, groups)]
+    seq = grads(grpo, "seq-mean")
+    even = grads(credit.even(trees, groups), "token-mean")
+    torch.testing.assert_close(seq, even, rtol=1e-6, atol=0)
+    assert not torch.allclose(grads(grpo, "token-mean"), even)  # token-mean GRPO differs
+
+
 def test_grpo_on_shared_turns_with_every_node_weighted_alike():
     # benchmarks/tree_credit.py `shared_even`: tau1-tau3 share A, tau2 and tau3 also B; tau4
     # shares nothing. R = 1, 0, 0, 0: mean 1/4, sample std 1/2, so win 3/2 and lose -1/2.

@@ -16,8 +16,13 @@ loss of a negative-advantage token at c |A_t| however large its ratio grows, whe
 bound alone is unbounded. Both are inert on on-policy data (rho_t = 1 < c).
 
 aggregated as `token-mean` (DAPO Eq. 8, TreePO Eq. 1: sum over every policy token of the batch
-divided by their number) or `seq-mean` (GRPO/PATR Eq. 2: mean over each sequence's tokens,
-then over sequences). Tensors are [batch, seq]; `mask` is 1 on policy tokens.
+divided by their number) or `seq-mean` (GRPO/PATR Eq. 2: mean over each trajectory's tokens,
+then over trajectories). Tensors are [batch, seq]; `mask` is 1 on policy tokens. A row is a
+whole trajectory, or under a history window one turn of one (`packing.turn_samples`):
+`seq_tokens` gives each row the policy tokens of the trajectory it belongs to, so that under
+seq-mean a token weighs 1 / (its trajectory's tokens x trajectories) in both layouts, and a
+row counts in the normaliser as its share of a trajectory. Without it a row is its own
+trajectory.
 
 Rollout importance sampling (`rollout_is_weights`): the engine that sampled (vLLM in bf16, or
 the weights of one update ago) is not exactly pi_old, the policy the trainer recomputes. As
@@ -31,9 +36,10 @@ can be weighted by the truncated ratio between the two, a constant of the object
 with mu the behaviour (sampling) policy whose log-probs the tree stores. Under a sample of y ~ mu
 and no truncation the weighted gradient is the on-policy one, E_mu[w grad] = E_pi_old[grad].
 
-Gradient accumulation: pass `normalizer` = `loss_normalizer(mask, agg)` summed over all the
-micro-batches of one optimiser step. Each micro-batch loss is then its share of the full-batch
-loss, and summing their gradients gives exactly the full-batch gradient.
+Gradient accumulation: pass `normalizer` = `loss_normalizer(mask, agg, seq_tokens)` summed over
+all the micro-batches of one optimiser step (and over the data-parallel ranks). Each
+micro-batch loss is then its share of the full-batch loss, and summing their gradients gives
+exactly the full-batch gradient.
 """
 
 from __future__ import annotations
@@ -70,26 +76,43 @@ def k3_kl(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def loss_normalizer(mask: Tensor, agg: Aggregation) -> float:
-    """The denominator of `agg` for this mask: policy tokens (token-mean) or sequences with at
-    least one policy token (seq-mean). Additive over micro-batches."""
+def loss_normalizer(mask: Tensor, agg: Aggregation, seq_tokens: Tensor | None = None) -> float:
+    """The denominator of `agg` for this mask: policy tokens (token-mean) or trajectories
+    (seq-mean), each row counting as its share of its trajectory's `seq_tokens` policy tokens
+    (a whole trajectory: 1, a turn under a history window: its tokens / the trajectory's).
+    Additive over micro-batches and ranks."""
     _check_agg(agg)
     if agg == "token-mean":
         return float(mask.sum())
-    return float((mask.sum(-1) > 0).sum())
+    return float((mask.sum(-1) / _row_tokens(mask, seq_tokens)).sum())
+
+
+def _row_tokens(mask: Tensor, seq_tokens: Tensor | None) -> Tensor:
+    """Policy tokens of the trajectory each row belongs to (its own when `seq_tokens` is None);
+    at least 1, so that a row without policy tokens divides 0 by 1."""
+    own = mask.sum(-1) if seq_tokens is None else seq_tokens.to(mask.device, mask.dtype)
+    if own.shape != mask.shape[:-1]:
+        raise ValueError(f"seq_tokens has shape {tuple(own.shape)}, rows {mask.shape[:-1]}")
+    return own.clamp(min=1)
 
 
 def aggregate(
-    per_token: Tensor, mask: Tensor, agg: Aggregation, normalizer: float | None = None
+    per_token: Tensor,
+    mask: Tensor,
+    agg: Aggregation,
+    normalizer: float | None = None,
+    seq_tokens: Tensor | None = None,
 ) -> Tensor:
-    """Reduce a [batch, seq] per-token loss with `agg`; `normalizer` defaults to this batch's."""
+    """Reduce a [batch, seq] per-token loss with `agg`; `normalizer` defaults to this batch's,
+    `seq_tokens` (seq-mean) to each row's own policy tokens."""
     _check_agg(agg)
     if normalizer is None:
-        normalizer = loss_normalizer(mask, agg)
+        normalizer = loss_normalizer(mask, agg, seq_tokens)
     if agg == "token-mean":
         total = masked_sum(per_token, mask)
-    else:  # each sequence's mean over its own policy tokens, summed over sequences
-        total = masked_mean(per_token, mask, dim=-1).sum()
+    else:  # each row's sum over the policy tokens of its trajectory, summed over rows
+        own = _row_tokens(mask, seq_tokens).to(per_token.dtype)
+        total = (masked_sum(per_token, mask, dim=-1) / own).sum()
     return total / max(normalizer, 1.0)
 
 
@@ -109,10 +132,12 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     log_ratio_clamp: float | None = 20.0,
     is_weights: Tensor | None = None,
+    seq_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped-ratio policy loss with asymmetric clip, dual-clip, log-ratio clamp and optional
     k3 KL; see the module doc. `clip_ratio_c` or `log_ratio_clamp` None turns that one off.
     `is_weights` (from `rollout_is_weights`) scale each token's policy-gradient term, not its KL.
+    `seq_tokens` ([batch]): the policy tokens of each row's trajectory, for seq-mean.
 
     Returns the scalar loss (differentiable w.r.t. `logprobs` only: old log-probs, advantages
     and the reference are constants of the objective) and detached metrics averaged over this
@@ -159,7 +184,7 @@ def policy_loss(
         kl = k3_kl(torch.where(on, ref_logprobs.detach() - logprobs, zero))
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, mask, agg, normalizer)
+    loss = aggregate(per_token, mask, agg, normalizer, seq_tokens)
 
     with torch.no_grad():
         metrics = {

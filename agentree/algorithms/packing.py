@@ -57,13 +57,16 @@ from agentree.tree import Trajectory, Tree
 
 @dataclass
 class Batch:
-    """Right-padded training tensors for a list of trajectories."""
+    """Right-padded training tensors for a list of trajectories (or turns of them, under a
+    history window). `seq_tokens` [rows]: the policy tokens of each row's whole trajectory, the
+    denominator seq-mean weighs its tokens by (`agentree.algorithms.loss.loss_normalizer`)."""
 
     ids: torch.Tensor
     attn: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor
     sampled_lp: torch.Tensor
+    seq_tokens: torch.Tensor
 
 
 def turn_samples(
@@ -115,7 +118,12 @@ def make_batch(trajs: Sequence[Trajectory], advs: Sequence[Sequence[float]], pad
         adv[i, :k] = torch.tensor(a, dtype=torch.float)
         lp[i, :k] = torch.tensor(t.logprobs, dtype=torch.float)
     # logits at position t predict token t+1: align targets by shifting left
-    return Batch(ids, attn, mask[:, 1:], adv[:, 1:], lp[:, 1:])
+    mask = mask[:, 1:]
+    seq = mask.sum(-1)  # a whole trajectory is its own sequence
+    for i, t in enumerate(trajs):
+        if t.trajectory_tokens is not None:  # a turn: its trajectory's policy tokens
+            seq[i] = t.trajectory_tokens
+    return Batch(ids, attn, mask, adv[:, 1:], lp[:, 1:], seq)
 
 
 def padded_micro_batches(
@@ -162,8 +170,9 @@ the CPU's figure."""
 class PackedBatch:
     """Packed rows for a set of trees plus the padded-layout loss tensors of their trajectories.
 
-    `mask`, `adv`, `sampled_lp` are those of `make_batch` on the same trajectories (targets
-    shifted by one), so the loss and its normaliser are computed exactly as for a `Batch`.
+    `mask`, `adv`, `sampled_lp`, `seq_tokens` are those of `make_batch` on the same
+    trajectories (targets shifted by one), so the loss and its normaliser are computed exactly
+    as for a `Batch`.
     """
 
     ids: torch.Tensor  # [rows, L] packed token ids (pad where a row is shorter)
@@ -175,6 +184,7 @@ class PackedBatch:
     mask: torch.Tensor
     adv: torch.Tensor
     sampled_lp: torch.Tensor
+    seq_tokens: torch.Tensor
 
     @property
     def forwarded_tokens(self) -> int:
@@ -315,6 +325,7 @@ def pack(
         mask=base.mask,
         adv=base.adv,
         sampled_lp=base.sampled_lp,
+        seq_tokens=base.seq_tokens,
     )
 
 
@@ -391,11 +402,12 @@ def unpack(b: PackedBatch, per_target: torch.Tensor) -> torch.Tensor:
 
 def token_weights(b: PackedBatch, agg: Aggregation, normalizer: float) -> torch.Tensor:
     """Each packed target's loss weight: the sum over the trajectories through it of
-    advantage x aggregation weight (token-mean: 1/N; seq-mean: 1/(len_i * n_seq)). On-policy
-    (rho = 1) the loss gradient w.r.t. the target's log-prob is minus this weight."""
+    advantage x aggregation weight (token-mean: 1/N; seq-mean: 1/(len_i * n_seq), len_i the
+    policy tokens of the trajectory the row belongs to). On-policy (rho = 1) the loss gradient
+    w.r.t. the target's log-prob is minus this weight."""
     per_pair = b.mask / max(normalizer, 1.0)
     if agg == "seq-mean":
-        per_pair = per_pair / b.mask.sum(-1, keepdim=True).clamp(min=1)
+        per_pair = per_pair / b.seq_tokens.clamp(min=1).unsqueeze(-1)
     w = torch.zeros(len(b.target) + 1)
     w.index_add_(0, b.index.flatten(), (per_pair * b.adv).flatten())
     return w[:-1]

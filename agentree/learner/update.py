@@ -135,7 +135,12 @@ class PolicyUpdate:
                 chunk = idx[s : s + per]
                 # the normaliser of the whole optimiser step, over all ranks: exact gradients
                 (norm,) = self.global_sum(
-                    [sum(loss_normalizer(micro[i].mask, tc.loss_agg) for i in chunk)]
+                    [
+                        sum(
+                            loss_normalizer(micro[i].mask, tc.loss_agg, micro[i].seq_tokens)
+                            for i in chunk
+                        )
+                    ]
                 )
                 self.opt.zero_grad(set_to_none=True)
                 for i in chunk:
@@ -172,6 +177,7 @@ class PolicyUpdate:
                         clip_ratio_c=tc.clip_ratio_c,
                         log_ratio_clamp=tc.log_ratio_clamp,
                         is_weights=is_w,
+                        seq_tokens=b.seq_tokens,
                     )
                     loss.backward()
                     w = float(b.mask.sum())
