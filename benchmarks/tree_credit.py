@@ -32,15 +32,15 @@ user's estimator):
   mass `late` gives it, spread over all its turns instead of the later ones.
 - `spread_last`: the same control for `last`: each trajectory's advantage times 1 / n on every
   one of its n turns, about the mass `last` gives it (turns of one length) spread over all of them.
-  Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does
-  without a history window, where GRPO weighs a trajectory by its turns (and so does `spread`,
-  whose share is about a half).
+  Under the token-mean loss it weighs every trajectory alike, as a sequence-mean loss does,
+  where GRPO weighs a trajectory by its turns (and so does `spread`, whose share is about a
+  half).
 - `even`: `spread_last` at GRPO's scale: each trajectory's advantage times N / n on every one of
   its n turns, N the mean turns over all the step's trajectories (one constant a step), so
   every trajectory weighs alike as under `spread_last` while the step's advantage mass stays
-  about GRPO's. It tells the weighting between trajectories from the size of the gradient. (A
-  sequence-mean loss does not: under a history window every turn is trained as its own
-  sequence, so `train.loss_agg=seq-mean` weighs turns alike, and a trajectory by its turns.)
+  about GRPO's. It tells the weighting between trajectories from the size of the gradient.
+  With one token a turn it is GRPO under `train.loss_agg=seq-mean` (tests/test_turn_advantages.py
+  checks it under a history window, where each turn is trained as its own row).
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
