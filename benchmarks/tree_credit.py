@@ -39,8 +39,9 @@ user's estimator):
   its n turns, N the mean turns over all the step's trajectories (one constant a step), so
   every trajectory weighs alike as under `spread_last` while the step's advantage mass stays
   about GRPO's. It tells the weighting between trajectories from the size of the gradient.
-  With one token a turn it is GRPO under `train.loss_agg=seq-mean` (tests/test_turn_advantages.py
-  checks it under a history window, where each turn is trained as its own row).
+  With one token a turn and no KL term it is GRPO under `train.loss_agg=seq-mean`
+  (tests/test_turn_advantages.py checks it under a history window, where each turn is trained
+  as its own row).
 
 They plug in through the estimator seam, as any user's estimator would (`PYTHONPATH=benchmarks`
 so that the runs can import this module):
