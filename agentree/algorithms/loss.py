@@ -84,10 +84,10 @@ def loss_normalizer(mask: Tensor, agg: Aggregation, seq_tokens: Tensor | None = 
     _check_agg(agg)
     if agg == "token-mean":
         return float(mask.sum())
-    return float((mask.sum(-1) / _row_tokens(mask, seq_tokens)).sum())
+    return float((mask.sum(-1) / row_tokens(mask, seq_tokens)).sum())
 
 
-def _row_tokens(mask: Tensor, seq_tokens: Tensor | None) -> Tensor:
+def row_tokens(mask: Tensor, seq_tokens: Tensor | None) -> Tensor:
     """Policy tokens of the trajectory each row belongs to (its own when `seq_tokens` is None);
     at least 1, so that a row without policy tokens divides 0 by 1."""
     own = mask.sum(-1) if seq_tokens is None else seq_tokens.to(mask.device, mask.dtype)
@@ -111,7 +111,7 @@ def aggregate(
     if agg == "token-mean":
         total = masked_sum(per_token, mask)
     else:  # each row's sum over the policy tokens of its trajectory, summed over rows
-        own = _row_tokens(mask, seq_tokens).to(per_token.dtype)
+        own = row_tokens(mask, seq_tokens).to(per_token.dtype)
         total = (masked_sum(per_token, mask, dim=-1) / own).sum()
     return total / max(normalizer, 1.0)
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from agentree.algorithms.loss import Aggregation
+from agentree.algorithms.loss import Aggregation, row_tokens
 from agentree.algorithms.output_layer import chunked_logprobs
 from agentree.tree import Trajectory, Tree
 
@@ -407,7 +407,7 @@ def token_weights(b: PackedBatch, agg: Aggregation, normalizer: float) -> torch.
     w.r.t. the target's log-prob is minus this weight."""
     per_pair = b.mask / max(normalizer, 1.0)
     if agg == "seq-mean":
-        per_pair = per_pair / b.seq_tokens.clamp(min=1).unsqueeze(-1)
+        per_pair = per_pair / row_tokens(b.mask, b.seq_tokens).unsqueeze(-1)
     w = torch.zeros(len(b.target) + 1)
     w.index_add_(0, b.index.flatten(), (per_pair * b.adv).flatten())
     return w[:-1]
