@@ -192,10 +192,13 @@ def informative(groups: list[list[Any]]) -> None:
             t.reward = float(i % 2)
 
 
-def loss_grads(model: Any, micro: list[Any], device: torch.device, tc: Any) -> dict[str, Any]:
-    """One GRPO loss forward + backward over `micro` under bf16 autocast: time, tokens, grads."""
-    from agentree.algorithms.loss import loss_normalizer, policy_loss
+def loss_grads(model: Any, micro: list[Any], device: torch.device, upd: Any) -> dict[str, Any]:
+    """One GRPO loss forward + backward over `micro` under bf16 autocast, each micro-batch's
+    term as the update computes it (`PolicyUpdate.micro_loss`): time, tokens, grads."""
+    from agentree.algorithms.loss import loss_normalizer
     from agentree.algorithms.packing import batch_logprobs
+
+    tc = upd.tc
 
     model.zero_grad(set_to_none=True)
     norm = sum(loss_normalizer(b.mask, tc.loss_agg, b.seq_tokens) for b in micro)
@@ -206,17 +209,7 @@ def loss_grads(model: Any, micro: list[Any], device: torch.device, tc: Any) -> d
     with torch.autocast(device.type, dtype=torch.bfloat16):
         for b in micro:
             lp = batch_logprobs(model, b, 1.0)
-            loss, _ = policy_loss(
-                lp,
-                lp.detach(),
-                b.adv.to(device),
-                b.mask.to(device),
-                eps_low=tc.eps_low,
-                eps_high=tc.eps_high,
-                agg=tc.loss_agg,
-                normalizer=norm,
-                seq_tokens=b.seq_tokens,
-            )
+            loss, _ = upd.micro_loss(b, lp, lp.detach(), None, norm)
             loss.backward()
     sync(device)
     wall = time.perf_counter() - t0
@@ -238,8 +231,10 @@ def check_update(
     from agentree.algorithms.advantages import compute_advantages
     from agentree.algorithms.packing import choose_layout
     from agentree.config import TrainConfig
+    from agentree.learner.update import PolicyUpdate
 
     tc = TrainConfig(kl_coef=0.0, micro_batch_size=8)
+    upd = PolicyUpdate(model, tc)
     informative(groups)
     advs = compute_advantages("grpo", trees, groups, scale="std")
     out: dict[str, Any] = {}
@@ -247,8 +242,8 @@ def check_update(
         micro = choose_layout(groups, advs, 0, tc.micro_batch_size, layout)
         # an untimed pass first, so that the layout timed first does not also pay the kernels'
         # first-use costs
-        loss_grads(model, micro, device, tc)
-        out[layout] = loss_grads(model, micro, device, tc)
+        loss_grads(model, micro, device, upd)
+        out[layout] = loss_grads(model, micro, device, upd)
     a, b = out["padded"].pop("grads"), out["tree"].pop("grads")
     diff = math.sqrt(sum(float((a[n] - b[n]).pow(2).sum()) for n in a))
     norm = math.sqrt(sum(float(a[n].pow(2).sum()) for n in a))

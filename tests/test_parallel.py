@@ -96,7 +96,7 @@ def fixed_batch(tmp_path_factory, tiny_frozenlake) -> Path:
     out = tmp_path_factory.mktemp("batch")
     tr = Trainer(cfg_for(out), out, log=quiet)
     easy_maps(tr)
-    trees, trajs, _, _, _ = tr._collect()
+    trees, trajs, _, _, _ = tr.collect()
     tr.close()
     usable = [(tree, ts) for tree, ts in zip(trees, trajs, strict=True) if ts]
     assert sum(len(ts) for _, ts in usable) >= 3

@@ -198,8 +198,13 @@ class ShardedUpdate(PolicyUpdate):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    def batches(self, trees: list[Tree], groups: list[list[Trajectory]]) -> list[Batch]:
-        micro = super().batches(trees, groups)
+    def batches(
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        advs: list[list[list[float]]] | None = None,
+    ) -> list[Batch]:
+        micro = super().batches(trees, groups, advs)
         if self.world == 1:
             return micro
         pad = [_blank(micro[i % len(micro)]) for i in range(-len(micro) % self.world)]

@@ -81,11 +81,16 @@ class PolicyUpdate:
         return values
 
     def batches(
-        self, trees: list[Tree], groups: list[list[Trajectory]]
+        self,
+        trees: list[Tree],
+        groups: list[list[Trajectory]],
+        advs: list[list[list[float]]] | None = None,
     ) -> list[Batch] | list[PackedBatch]:
-        """Advantages per token, then micro-batches: padded rows or tree-packed rows."""
+        """Advantages per token (`advs`, when these trees are part of a batch whose advantages
+        were computed together), then micro-batches: padded rows or tree-packed rows."""
         tc = self.tc
-        advs = self.advantages(trees, groups)
+        if advs is None:
+            advs = self.advantages(trees, groups)
         # with a history window each turn is trained on the prompt it was sampled against
         samples, advs = turn_samples(trees, groups, advs)
         kappa = attention_break_even(self.model)
@@ -163,22 +168,8 @@ class PolicyUpdate:
                         if epoch == 0:
                             _add_is_stats(is_sums, is_max, st, b.mask.to(dev))
                     ref_i = ref[i]
-                    loss, met = policy_loss(
-                        lp,
-                        old_lp,
-                        b.adv.to(dev),
-                        b.mask.to(dev),
-                        eps_low=tc.eps_low,
-                        eps_high=tc.eps_high,
-                        agg=tc.loss_agg,
-                        ref_logprobs=None if ref_i is None else ref_i.to(dev),
-                        kl_coef=tc.kl_coef,
-                        normalizer=norm,
-                        clip_ratio_c=tc.clip_ratio_c,
-                        log_ratio_clamp=tc.log_ratio_clamp,
-                        is_weights=is_w,
-                        seq_tokens=b.seq_tokens,
-                    )
+                    ref_lp = None if ref_i is None else ref_i.to(dev)
+                    loss, met = self.micro_loss(b, lp, old_lp, ref_lp, norm, is_w)
                     loss.backward()
                     w = float(b.mask.sum())
                     sums["train/loss"] = sums.get("train/loss", 0.0) + float(loss.detach())
@@ -209,6 +200,38 @@ class PolicyUpdate:
         if correct:
             out.update(self._is_metrics(is_sums, is_max, float(n_tok)))
         return out
+
+    def micro_loss(
+        self,
+        b: Batch | PackedBatch,
+        lp: torch.Tensor,
+        old_lp: torch.Tensor,
+        ref_lp: torch.Tensor | None,
+        normalizer: float,
+        is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Micro-batch `b`'s term of an optimiser step's objective: its log-probs `lp` under
+        the weights being trained, `old_lp` under pi_old, `ref_lp` under the KL reference,
+        divided by `normalizer`, the whole step's (so the terms of its micro-batches add up to
+        its loss, and their gradients to its gradient)."""
+        tc = self.tc
+        dev = lp.device
+        return policy_loss(
+            lp,
+            old_lp,
+            b.adv.to(dev),
+            b.mask.to(dev),
+            eps_low=tc.eps_low,
+            eps_high=tc.eps_high,
+            agg=tc.loss_agg,
+            ref_logprobs=ref_lp,
+            kl_coef=tc.kl_coef,
+            normalizer=normalizer,
+            clip_ratio_c=tc.clip_ratio_c,
+            log_ratio_clamp=tc.log_ratio_clamp,
+            is_weights=is_weights,
+            seq_tokens=b.seq_tokens,
+        )
 
     def _is_metrics(
         self, sums: dict[str, float], top: list[float], n_tok: float

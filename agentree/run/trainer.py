@@ -242,7 +242,7 @@ class Trainer:
         tc = self.cfg.train
         t0 = time.perf_counter()
         self._step_start = self._loop_state()  # what a checkpoint holds if the rollout is cut
-        trees, trajs, stats, dropped, version = self._collect()
+        trees, trajs, stats, dropped, version = self.collect()
         t_roll = time.perf_counter() - t0
         staleness = self.step - version
         if tc.async_steps and self.step + 1 < tc.steps:
@@ -284,10 +284,11 @@ class Trainer:
         self.rt.rollouts.sync_weights(self._weights)
         return trees, st, version
 
-    def _collect(self) -> tuple[list[Tree], list[list[Trajectory]], RolloutStats, int, int]:
-        """Roll out a batch; with dynamic sampling, replace uninformative groups.
-        Trajectories that ended in an env error (a crashed env or a lost worker) are not the
-        policy's doing and stay out of the loss."""
+    def collect(self) -> tuple[list[Tree], list[list[Trajectory]], RolloutStats, int, int]:
+        """Roll out this step's batch (rank 0): its trees, each tree's group, the rollout
+        counts, the groups dropped and the weight version sampled. With dynamic sampling,
+        uninformative groups are replaced. Trajectories that ended in an env error (a crashed
+        env or a lost worker) are not the policy's doing and stay out of the loss."""
         assert self.rt is not None
         tc = self.cfg.train
         stats = RolloutStats()

@@ -1,0 +1,176 @@
+"""benchmarks/gradient_noise.py: the noise scale's estimators by hand (McCandlish et al. 2018,
+Appendix A), and the per-task gradient terms adding up to the update's own gradient."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_benchmark
+from small_policy import WARM_2_LAYERS
+
+from agentree.config import load_config
+from agentree.run.trainer import Trainer
+
+SMALL = [
+    *WARM_2_LAYERS,
+    "train.tasks_per_step=4",
+    "engine.max_tokens=6",
+    "env.max_turns=4",
+    "train.trees_every=0",
+    "train.save_every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("gradient_noise")
+
+
+def test_batch_stats_by_hand(bench):
+    """x = (1,0), (3,0), (2,2), so g_i = x_i / 3: mean x = (2, 2/3), |mean x|^2 = 40/9,
+    sum |x_i|^2 = 18; tr(Sigma) = (18 - 3 * 40/9) / 2 = 7/3, |G|^2 = 40/9 - (7/3)/3 = 11/3;
+    halves: even g_0 + g_2 = (1, 2/3), odd g_1 = (1, 0), cosine 3 / sqrt(13)."""
+    xs = [torch.tensor(v, dtype=torch.float64) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0))]
+    row = bench.batch_stats([x / 3 for x in xs])
+    assert row["tasks"] == 3
+    assert row["noise"] == pytest.approx(7 / 3)
+    assert row["signal"] == pytest.approx(11 / 3)
+    assert row["grad_sq"] == pytest.approx(40 / 9)
+    assert row["cos_halves"] == pytest.approx(3 / math.sqrt(13))
+    with pytest.raises(ValueError, match="at least 2 tasks"):
+        bench.batch_stats([xs[0]])
+
+
+def test_noise_scale_is_a_ratio_of_means_with_a_jackknife(bench):
+    """Batches (noise 2, signal 1) and (4, 3): B = 3 / 2; leaving one out gives 4/3 and 2,
+    mean 5/3, so the jackknife SE is sqrt(1/2 * (1/9 + 1/9)) = 1/3."""
+    rows = [{"noise": 2.0, "signal": 1.0}, {"noise": 4.0, "signal": 3.0}]
+    b, se = bench.noise_scale(rows)
+    assert b == pytest.approx(1.5)
+    assert se == pytest.approx(1 / 3)
+    assert bench.noise_scale([{"noise": 2.0, "signal": -1.0}, {"noise": 1.0, "signal": 0.5}]) == (
+        None,
+        None,
+    )
+    cos = [0.5, None]  # the second batch had no informative group in one half
+    full = [{**r, "cos_halves": c, "informative": 1} for r, c in zip(rows, cos, strict=True)]
+    out = bench.summarise(full, 4)
+    assert out["cos_to_gradient"]["4"] == pytest.approx(1 / math.sqrt(1 + 1.5 / 4))
+    assert out["steps_at_twice"] == pytest.approx((1 + 1.5 / 8) / (1 + 1.5 / 4))
+    assert out["cos_halves_predicted"] == pytest.approx(1 / (1 + 3 / 4))
+    assert out["cos_halves"] == 0.5 and out["cos_halves_batches"] == 1
+    assert out["cos_halves_se"] is None  # one batch's cosine has no standard error
+    # signals 1 and 3: mean 2, sd sqrt(2), SE 1; the bound is mean noise 3 / (2 + 2 * 1)
+    assert out["signal_se"] == pytest.approx(1.0)
+    assert out["noise_scale_lower"] == pytest.approx(3 / 4)
+
+
+def test_pairs_across_batches_by_hand(bench):
+    """One task a block, x = (1,0), (3,0), (2,2): every pair gives what one batch of three
+    gives (tr(Sigma) 7/3, |G|^2 11/3). Leaving a block out leaves two tasks: signals
+    (|S|^2 - Q) / 2 = 6, 2 and 3, so the jackknife SE is sqrt(2/3 * 78/9) = sqrt(52) / 3."""
+    xs = [torch.tensor(v) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0))]
+    est = bench.across_batches(xs, [1.0, 9.0, 8.0], [1, 1, 1])
+    assert est["noise"] == pytest.approx(7 / 3)
+    assert est["signal"] == pytest.approx(11 / 3)
+    assert est["noise_scale"] == pytest.approx(7 / 11)
+    assert est["signal_se"] == pytest.approx(math.sqrt(52) / 3)
+    scales = [2.5 / 6, 2.5 / 2, 2 / 3]
+    mean = sum(scales) / 3
+    want = math.sqrt(2 / 3 * sum((v - mean) ** 2 for v in scales))
+    assert est["noise_scale_se"] == pytest.approx(want)
+
+
+def test_measurements_pool_their_batches(bench, tmp_path: Path):
+    """Two files of one setting summarise as one; files of different batch sizes refuse."""
+    rows = [{"noise": 2.0, "signal": 1.0}, {"noise": 4.0, "signal": 3.0}]
+    rows = [{**r, "cos_halves": None, "informative": 0} for r in rows]
+    paths = []
+    for i, r in enumerate(rows):
+        paths.append(tmp_path / f"m{i}.json")
+        paths[-1].write_text(json.dumps(bench.summarise([r], 4) | {"checkpoint": None}))
+    pooled = bench.pool(paths)
+    assert pooled["noise_scale"] == pytest.approx(1.5) and len(pooled["batches"]) == 2
+    assert pooled["cos_halves"] is None
+    odd = tmp_path / "m8.json"
+    odd.write_text(json.dumps(bench.summarise(rows, 8) | {"checkpoint": None}))
+    with pytest.raises(SystemExit, match="tasks_per_step"):
+        bench.pool([paths[0], odd])
+
+
+def easy(tr: Trainer) -> None:
+    """3x3 maps the 2-layer policy sometimes solves, so the batch's groups are informative."""
+    tr.train_tasks = [
+        t.__class__(t.id, None, {"desc": ["SGF", "FFF", "FFF"]}) for t in tr.train_tasks[:4]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rollout", "extra"), [("grpo", ["rollout.G=4"]), ("patr", ["train.packing=tree"])]
+)
+def test_task_terms_add_up_to_the_updates_gradient(
+    bench, tmp_path: Path, rollout: str, extra: list[str]
+):
+    """The update's gradient, caught just before its optimiser step (no clipping), equals the
+    sum of the per-task terms, with gradient accumulation (one row a micro-batch) and the KL
+    term on, for flat groups in padded rows and for PATR's trees in tree-packed rows."""
+    overrides = [
+        *SMALL,
+        "train.micro_batch_size=1",
+        "train.grad_clip=1e9",
+        "train.kl_coef=0.01",
+        *extra,
+    ]
+    select = {"output": str(tmp_path), "rollout": rollout}
+    cfg = load_config("frozenlake_patr", select=select, overrides=overrides)
+    tr = Trainer(cfg, tmp_path, log=lambda msg: None)
+    try:
+        easy(tr)
+        trees, groups, _, _, _ = tr.collect()
+        assert any(len({t.reward for t in g}) > 1 for g in groups)
+        terms = list(bench.task_gradients(tr.updater, trees, groups))
+        assert len(terms) == len(trees)
+        caught: list[torch.Tensor] = []
+        params = [p for p in tr.model.parameters() if p.requires_grad]
+
+        def catch(opt, args, kwargs):
+            caught.append(torch.cat([p.grad.reshape(-1) for p in params]))
+
+        handle = tr.updater.opt.register_step_pre_hook(catch)
+        tr.update(trees, groups)
+        handle.remove()
+    finally:
+        tr.close()
+    total = torch.stack(terms).sum(0)
+    assert float(total.norm()) > 1e-4  # the comparison can fail: there is a gradient
+    torch.testing.assert_close(caught[0].double(), total, rtol=1e-5, atol=1e-8)
+
+
+def test_a_run_directory_is_measured_and_left_as_it_was(bench, tmp_path: Path):
+    """The command on a run's config: two batches, the figures written, the run untouched and
+    no temporary directory left behind."""
+    run = tmp_path / "run"
+    run.mkdir()
+    select = {"output": str(run), "rollout": "grpo"}
+    cfg = load_config("frozenlake_patr", select=select, overrides=[*SMALL, "rollout.G=4"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    before = sorted(p.name for p in run.iterdir())
+    tmp_before = set(Path(tempfile.gettempdir()).glob("agentree-noise-*"))
+    out = tmp_path / "noise.json"
+    assert bench.main([str(run), "--batches", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["batches"]) == 2 and result["tasks_per_step"] == 4
+    assert all(r["tasks"] == 4 for r in result["batches"])
+    assert result["across_batches"]["tasks"] == 8 and result["across_batches"]["blocks"] == 2
+    assert bench.blocks_path(out).exists()
+    pooled = tmp_path / "pooled.json"
+    assert bench.main(["--pool", str(out), "--out", str(pooled)]) == 0
+    again = json.loads(pooled.read_text())["across_batches"]
+    assert again["signal"] == pytest.approx(result["across_batches"]["signal"])
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert set(Path(tempfile.gettempdir()).glob("agentree-noise-*")) == tmp_before
