@@ -42,7 +42,9 @@ the batch size and at twice it, `steps_at_twice` (the steps twice the tasks a st
 share of the steps at the batch size: (1 + B / 2n) / (1 + B / n)), and `cos_halves` (with its
 standard error) measured and predicted. `--pool FILE...` summarises the batches of several
 measurements of one setting, e.g. one per `--set seed=S`, so a long measurement runs and
-resumes seed by seed.
+resumes seed by seed; with `--against FILE...`, measurements of another setting on the same
+batches (another advantage estimator on the same seeds samples the same rollouts), it adds
+`paired`: each side's |G|^2 / tr(Sigma) = 1 / B and their difference, jackknifed block by block.
 """
 
 from __future__ import annotations
@@ -235,14 +237,7 @@ def across_batches(
     error is far smaller when the signal is small. Standard errors: leave-one-block-out
     jackknife over the blocks (of batches, or of files when pooled)."""
     m = len(sums)
-    gram = [[float(a.double() @ b.double()) for b in sums] for a in sums]
-
-    def estimate(keep: Sequence[int]) -> tuple[float, float]:
-        s2 = sum(gram[i][j] for i in keep for j in keep)
-        q = sum(sq[i] for i in keep)
-        n = sum(tasks[i] for i in keep)
-        return (q - s2 / n) / (n - 1), (s2 - q) / (n * (n - 1))
-
+    estimate = _pair_estimator(sums, sq, tasks)
     noise, signal = estimate(range(m))
     out: dict[str, Any] = {
         "blocks": m,
@@ -263,6 +258,52 @@ def across_batches(
     return out
 
 
+def _pair_estimator(sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int]) -> Any:
+    """(tr(Sigma), |G|^2) from every pair of the tasks of the blocks kept, for any subset."""
+    gram = [[float(a.double() @ b.double()) for b in sums] for a in sums]
+
+    def estimate(keep: Sequence[int]) -> tuple[float, float]:
+        s2 = sum(gram[i][j] for i in keep for j in keep)
+        q = sum(sq[i] for i in keep)
+        n = sum(tasks[i] for i in keep)
+        return (q - s2 / n) / (n - 1), (s2 - q) / (n * (n - 1))
+
+    return estimate
+
+
+def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two settings measured on the same batches block by block (e.g. two advantage estimators
+    on one seed's rollouts, which are identical): each one's signal-to-noise ratio |G|^2 /
+    tr(Sigma) = 1 / B (scale-free, and defined when the signal is not resolved) and their
+    difference, with a jackknife that leaves the same block out of both, so that what the
+    shared batches make alike cancels."""
+    m = len(a["sums"])
+    if len(b["sums"]) != m or list(a["tasks"]) != list(b["tasks"]):
+        raise SystemExit(
+            "--against needs the same blocks on both sides (same files in the same order, "
+            f"the same tasks per block): {a['tasks']} against {b['tasks']}"
+        )
+    est_a = _pair_estimator(a["sums"], a["sq"], a["tasks"])
+    est_b = _pair_estimator(b["sums"], b["sq"], b["tasks"])
+
+    def snr(est: Any, keep: Sequence[int]) -> float:
+        noise, signal = est(keep)
+        return signal / noise
+
+    every = range(m)
+    loo = [[j for j in every if j != i] for i in every]
+    diffs = [snr(est_a, k) - snr(est_b, k) for k in loo]
+    return {
+        "blocks": m,
+        "snr": snr(est_a, every),
+        "snr_se": _jackknife([snr(est_a, k) for k in loo]),
+        "snr_against": snr(est_b, every),
+        "snr_against_se": _jackknife([snr(est_b, k) for k in loo]),
+        "snr_diff": snr(est_a, every) - snr(est_b, every),
+        "snr_diff_se": _jackknife(diffs),
+    }
+
+
 def _jackknife(values: Sequence[float]) -> float | None:
     """The jackknife standard error from m leave-one-out estimates, sqrt((m - 1) / m * sum of
     squared deviations): m - 1 times their own standard error of the mean."""
@@ -275,6 +316,14 @@ def blocks_path(out: Path) -> Path:
     return out.with_suffix(".blocks.pt")
 
 
+def load_blocks(paths: Sequence[Path]) -> dict[str, list[Any]] | None:
+    """The block sums of these measurements, in order (None if one has none)."""
+    if not all(blocks_path(Path(p)).exists() for p in paths):
+        return None
+    blocks = [torch.load(blocks_path(Path(p))) for p in paths]
+    return {key: [x for b in blocks for x in b[key]] for key in ("sums", "sq", "tasks")}
+
+
 def pool(paths: Sequence[Path]) -> dict[str, Any]:
     """The batches of several measurements of one setting (e.g. one per `--set seed=S`, each
     an independent draw of tasks and samples) summarised together."""
@@ -284,13 +333,9 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
         if len(seen) > 1:
             raise SystemExit(f"cannot pool measurements with different {key}: {sorted(seen)}")
     out = summarise([r for part in parts for r in part["batches"]], parts[0]["tasks_per_step"])
-    if all(blocks_path(Path(p)).exists() for p in paths):
-        blocks = [torch.load(blocks_path(Path(p))) for p in paths]
-        across = across_batches(
-            [v for b in blocks for v in b["sums"]],
-            [q for b in blocks for q in b["sq"]],
-            [n for b in blocks for n in b["tasks"]],
-        )
+    blocks = load_blocks(paths)
+    if blocks is not None:
+        across = across_batches(blocks["sums"], blocks["sq"], blocks["tasks"])
         out["across_batches"] = across | predictions(across["noise_scale"], out["tasks_per_step"])
     out["pooled"] = [str(p) for p in paths]
     out["checkpoint"] = parts[0].get("checkpoint")
@@ -411,10 +456,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pool", type=Path, nargs="+", help="summarise these measurements' batches together"
     )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        nargs="+",
+        help="with --pool: measurements of another setting on the same batches, in the same "
+        "order; adds `paired` (signal-to-noise ratios and their difference, block by block)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.pool:
         result = pool(args.pool)
+        if args.against:
+            a, b = load_blocks(args.pool), load_blocks(args.against)
+            if a is None or b is None:
+                raise SystemExit(
+                    "--against needs the block sums of every measurement on both sides"
+                )
+            result["paired"] = paired(a, b) | {"against": [str(x) for x in args.against]}
     else:
         if args.config is None:
             raise SystemExit("give a run directory or a config to measure, or --pool FILES")
@@ -431,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(report(result))
+    if "paired" in result:
+        pr = result["paired"]
+        print(
+            f"  paired over {pr['blocks']} blocks: |G|^2 / tr(Sigma) {pr['snr']:.2e} ± "
+            f"{pr['snr_se']:.1e} against {pr['snr_against']:.2e} ± {pr['snr_against_se']:.1e}; "
+            f"difference {pr['snr_diff']:+.2e} ± {pr['snr_diff_se']:.1e}"
+        )
     print(f"wrote {args.out}")
     return 0
 

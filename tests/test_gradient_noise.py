@@ -86,6 +86,22 @@ def test_pairs_across_batches_by_hand(bench):
     assert est["noise_scale_se"] == pytest.approx(want)
 
 
+def test_paired_signal_to_noise_is_scale_free_and_refuses_other_blocks(bench):
+    """The same tasks' terms at twice the scale (another estimator's advantages, doubled) have
+    the same |G|^2 / tr(Sigma) = (11/3) / (7/3) = 11/7 in every leave-one-out, so the paired
+    difference and its standard error are 0; blocks of other sizes cannot be paired."""
+    xs = [torch.tensor(v) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0))]
+    a = {"sums": xs, "sq": [1.0, 9.0, 8.0], "tasks": [1, 1, 1]}
+    b = {"sums": [2 * x for x in xs], "sq": [4.0, 36.0, 32.0], "tasks": [1, 1, 1]}
+    out = bench.paired(a, b)
+    assert out["snr"] == pytest.approx(11 / 7) and out["snr_against"] == pytest.approx(11 / 7)
+    assert out["snr_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert out["snr_diff_se"] == pytest.approx(0.0, abs=1e-12)
+    assert out["snr_se"] > 0  # the leave-one-out ratios differ: 6/2.5, 2/2.5, 3/2
+    with pytest.raises(SystemExit, match="same blocks"):
+        bench.paired(a, {**b, "tasks": [2, 1, 1]})
+
+
 def test_measurements_pool_their_batches(bench, tmp_path: Path):
     """Two files of one setting summarise as one; files of different batch sizes refuse."""
     rows = [{"noise": 2.0, "signal": 1.0}, {"noise": 4.0, "signal": 3.0}]
