@@ -127,12 +127,12 @@ def batch_stats(grads: Sequence[torch.Tensor]) -> dict[str, float]:
         sq += float(g @ g) * n * n
     odd = total - even
     mean_sq = float(total @ total)  # |mean x|^2, the batch's gradient
-    noise = (sq - n * mean_sq) / (n - 1)
+    noise, signal = _pair_estimator([total * n], [sq], [n])([0])  # the pairs inside the batch
     denom = float(even.norm() * odd.norm())
     return {
         "tasks": n,
         "noise": noise,
-        "signal": mean_sq - noise / n,
+        "signal": signal,
         "grad_sq": mean_sq,
         "sum_sq": sq,
         "cos_halves": float(even @ odd) / denom if denom > 0 else None,
@@ -228,7 +228,7 @@ class Blocks:
 
 
 def across_batches(
-    sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int]
+    sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int], n: int
 ) -> dict[str, Any]:
     """The signal and noise from every pair of the N tasks measured, at the same weights:
     with S = sum x_i and Q = sum |x_i|^2, |G|^2 ~ (|S|^2 - Q) / (N (N - 1)) (the mean of
@@ -255,7 +255,7 @@ def across_batches(
     )
     upper = signal + 2 * (signal_se or 0.0)
     out["noise_scale_lower"] = noise / upper if upper > 0 else None
-    return out
+    return out | predictions(out["noise_scale"], n)
 
 
 def _pair_estimator(sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int]) -> Any:
@@ -335,8 +335,9 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
     out = summarise([r for part in parts for r in part["batches"]], parts[0]["tasks_per_step"])
     blocks = load_blocks(paths)
     if blocks is not None:
-        across = across_batches(blocks["sums"], blocks["sq"], blocks["tasks"])
-        out["across_batches"] = across | predictions(across["noise_scale"], out["tasks_per_step"])
+        out["across_batches"] = across_batches(
+            blocks["sums"], blocks["sq"], blocks["tasks"], out["tasks_per_step"]
+        )
     out["pooled"] = [str(p) for p in paths]
     out["checkpoint"] = parts[0].get("checkpoint")
     return out
@@ -383,8 +384,9 @@ def measure(
             trainer.close()
     out = summarise(rows, cfg.train.tasks_per_step)
     payload = sums.payload()
-    across = across_batches(payload["sums"], payload["sq"], payload["tasks"])
-    out["across_batches"] = across | predictions(across["noise_scale"], out["tasks_per_step"])
+    out["across_batches"] = across_batches(
+        payload["sums"], payload["sq"], payload["tasks"], out["tasks_per_step"]
+    )
     return out, payload
 
 

@@ -75,7 +75,7 @@ def test_pairs_across_batches_by_hand(bench):
     gives (tr(Sigma) 7/3, |G|^2 11/3). Leaving a block out leaves two tasks: signals
     (|S|^2 - Q) / 2 = 6, 2 and 3, so the jackknife SE is sqrt(2/3 * 78/9) = sqrt(52) / 3."""
     xs = [torch.tensor(v) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0))]
-    est = bench.across_batches(xs, [1.0, 9.0, 8.0], [1, 1, 1])
+    est = bench.across_batches(xs, [1.0, 9.0, 8.0], [1, 1, 1], 3)
     assert est["noise"] == pytest.approx(7 / 3)
     assert est["signal"] == pytest.approx(11 / 3)
     assert est["noise_scale"] == pytest.approx(7 / 11)
