@@ -352,13 +352,20 @@ def measure(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Roll out `batches` batches as the run would, at step 0's weights or `checkpoint`'s,
     and measure each one's per-task gradients: the summary, and the block sums that
-    `across_batches` (and `--pool`) read. The trainer lives in a temporary directory."""
+    `across_batches` (and `--pool`) read. The trainer lives in a temporary directory.
+
+    Ctrl-C or SIGTERM stops it as they stop a run (the trainer closed, the directory removed):
+    with two batches or more measured, the summary is of those (`stopped_after` says how many
+    of `batches`), so a long measurement loses only the batch in flight; with fewer, the stop
+    goes on up as `KeyboardInterrupt`."""
     rows: list[dict[str, float]] = []
     sums = Blocks(min(blocks, batches))
+    stopped = False
     with tempfile.TemporaryDirectory(prefix="agentree-noise-") as tmp:
         cfg = cfg.model_copy(deep=True)
         cfg.output = tmp
         trainer = Trainer(cfg, Path(tmp), log=lambda msg: None)
+        trainer.stop.install()  # SIGINT and SIGTERM raise KeyboardInterrupt, as in a run
         try:
             if checkpoint is not None:
                 trainer.learner.load(checkpoint)
@@ -371,8 +378,10 @@ def measure(
                 grads = list(task_gradients(trainer.updater, kept_trees, kept_groups))
                 row = batch_stats(grads)
                 row["informative"] = sum(len({t.reward for t in g}) > 1 for g in kept_groups)
+                trainer.stop.hold()  # a batch counts in both the rows and the blocks, or neither
                 rows.append(row)
                 sums.add(k, grads, row)
+                trainer.stop.release()
                 cos = "-" if row["cos_halves"] is None else f"{row['cos_halves']:+.2f}"
                 log(
                     f"batch {k + 1}/{batches}: {row['informative']} of {row['tasks']} groups "
@@ -380,9 +389,19 @@ def measure(
                     f"halves' cosine {cos} "
                     f"({time.perf_counter() - t0:.0f} s)"
                 )
+        except KeyboardInterrupt as stop:
+            if len(rows) < 2:
+                raise
+            stopped = True
+            by = f" by {stop.args[0]}" if stop.args else ""
+            log(f"stopped{by} after {len(rows)} of {batches} batches: summarising those")
         finally:
+            trainer.stop.uninstall()
             trainer.close()
     out = summarise(rows, cfg.train.tasks_per_step)
+    if stopped:
+        out["stopped_after"] = len(rows)
+        out["batches_requested"] = batches
     payload = sums.payload()
     out["across_batches"] = across_batches(
         payload["sums"], payload["sq"], payload["tasks"], out["tasks_per_step"]
@@ -482,7 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.batches < 2:
             raise SystemExit("--batches must be at least 2 (the standard error is over batches)")
         cfg = config_of(args.config, args.set, args.rollout)
-        result, payload = measure(cfg, args.batches, args.checkpoint)
+        try:
+            result, payload = measure(cfg, args.batches, args.checkpoint)
+        except KeyboardInterrupt as stop:
+            by = f" by {stop.args[0]}" if stop.args else ""
+            print(f"stopped{by} before two batches were measured: nothing written")
+            return 130
         args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(payload, blocks_path(args.out))
         result["config"] = args.config
@@ -500,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             f"difference {pr['snr_diff']:+.2e} ± {pr['snr_diff_se']:.1e}"
         )
     print(f"wrote {args.out}")
-    return 0
+    return 130 if "stopped_after" in result else 0
 
 
 if __name__ == "__main__":

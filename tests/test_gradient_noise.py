@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -189,4 +193,40 @@ def test_a_run_directory_is_measured_and_left_as_it_was(bench, tmp_path: Path):
     again = json.loads(pooled.read_text())["across_batches"]
     assert again["signal"] == pytest.approx(result["across_batches"]["signal"])
     assert sorted(p.name for p in run.iterdir()) == before
+    assert set(Path(tempfile.gettempdir()).glob("agentree-noise-*")) == tmp_before
+
+
+@pytest.mark.slow
+def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Path):
+    """SIGTERM after two batches of twenty: the command summarises the batches it measured
+    (marked as stopped), exits 130 like a stopped run, and removes its temporary directory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    select = {"output": str(run), "rollout": "grpo"}
+    cfg = load_config("frozenlake_patr", select=select, overrides=[*SMALL, "rollout.G=4"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    tmp_before = set(Path(tempfile.gettempdir()).glob("agentree-noise-*"))
+    out = tmp_path / "noise.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "gradient_noise.py"
+    argv = [sys.executable, "-u", str(script), str(run), "--batches", "20", "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    assert proc.stdout is not None
+    watchdog = threading.Timer(600, proc.kill)  # a hung measurement fails instead of hanging
+    watchdog.start()
+    try:
+        for line in proc.stdout:  # the measurement's own progress lines
+            seen.append(line)
+            if line.startswith("batch 2/20"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "stopped by SIGTERM after" in rest
+    result = json.loads(out.read_text())
+    assert result["batches_requested"] == 20
+    assert result["stopped_after"] == len(result["batches"]) >= 2
+    assert result["across_batches"]["tasks"] == 4 * result["stopped_after"]
     assert set(Path(tempfile.gettempdir()).glob("agentree-noise-*")) == tmp_before
