@@ -133,6 +133,7 @@ class FrozenLakeEnv(GridGame):
     """
 
     invalid_prompt = "frozenlake/invalid.txt"
+    tools_prompt = "frozenlake/system_tools.txt"
 
     Config = FrozenLakeConfig
     system_prompt = prompts.load("frozenlake/system.txt").strip()
@@ -143,10 +144,7 @@ class FrozenLakeEnv(GridGame):
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = FrozenLakeConfig(**kwargs)
-        if self.cfg.action_format == "tools":
-            self.system_prompt = prompts.load("frozenlake/system_tools.txt").strip()
-        elif self.cfg.stop_after_move:
-            self.stop_sequences = tuple(f"```{a.capitalize()}```" for a in ACTIONS)
+        self.use_action_format(ACTIONS)
         self._lake: GymFrozenLake | None = None
         self._desc: list[str] = []
         self._turn = 0

@@ -9,6 +9,7 @@ invalid-action penalty.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from agentree import prompts
@@ -94,6 +95,17 @@ class GridGame(MoveGame):
 
     invalid_prompt: str = ""
     """The prompts path of the env's invalid-action notice, e.g. `frozenlake/invalid.txt`."""
+    tools_prompt: str = ""
+    """The prompts path of the system prompt with tools, e.g. `frozenlake/system_tools.txt`."""
+
+    def use_action_format(self, moves: Iterable[str]) -> None:
+        """What `cfg.action_format` changes, set once the config is read: with tools, the
+        system prompt that explains the `move` tool; with text and `stop_after_move`, a stop
+        sequence at each ```Move``` block, so a turn ends at its move."""
+        if self.cfg.action_format == "tools":
+            self.system_prompt = prompts.load(self.tools_prompt).strip()
+        elif self.cfg.stop_after_move:
+            self.stop_sequences = tuple(f"```{m.capitalize()}```" for m in moves)
 
     def tools(self) -> list[ToolSpec]:
         return [MOVE_TOOL] if self.cfg.action_format == "tools" else []

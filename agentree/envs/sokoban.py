@@ -260,6 +260,7 @@ class SokobanEnv(GridGame):
     """
 
     invalid_prompt = "sokoban/invalid.txt"
+    tools_prompt = "sokoban/system_tools.txt"
 
     Config = SokobanConfig
     system_prompt = prompts.load("sokoban/system.txt").strip()
@@ -267,10 +268,7 @@ class SokobanEnv(GridGame):
 
     def __init__(self, **kwargs: Any) -> None:
         self.cfg = SokobanConfig(**kwargs)
-        if self.cfg.action_format == "tools":
-            self.system_prompt = prompts.load("sokoban/system_tools.txt").strip()
-        elif self.cfg.stop_after_move:
-            self.stop_sequences = tuple(f"```{a.capitalize()}```" for a in MOVES)
+        self.use_action_format(MOVES)
         self._room: dict[str, Any] | None = None
         self._turn = 0
         self._done = False
