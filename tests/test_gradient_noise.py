@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -171,18 +172,24 @@ def test_task_terms_add_up_to_the_updates_gradient(
     torch.testing.assert_close(caught[0].double(), total, rtol=1e-5, atol=1e-8)
 
 
-def test_a_run_directory_is_measured_and_left_as_it_was(bench, tmp_path: Path):
+def test_a_run_directory_is_measured_and_left_as_it_was(
+    bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The command on a run's config: two batches, the figures written, the run untouched and
-    no temporary directory left behind."""
+    no temporary directory left behind (in a temporary root of this test's own, so that other
+    measurements running beside it cannot be mistaken for its leftovers)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     run = tmp_path / "run"
     run.mkdir()
     select = {"output": str(run), "rollout": "grpo"}
     cfg = load_config("frozenlake_patr", select=select, overrides=[*SMALL, "rollout.G=4"])
     (run / "config.yaml").write_text(cfg.to_yaml())
     before = sorted(p.name for p in run.iterdir())
-    tmp_before = set(Path(tempfile.gettempdir()).glob("agentree-noise-*"))
     out = tmp_path / "noise.json"
     assert bench.main([str(run), "--batches", "2", "--out", str(out)]) == 0
+    assert list(scratch.iterdir()) == []  # the trainer's directory was removed
     result = json.loads(out.read_text())
     assert len(result["batches"]) == 2 and result["tasks_per_step"] == 4
     assert all(r["tasks"] == 4 for r in result["batches"])
@@ -193,7 +200,6 @@ def test_a_run_directory_is_measured_and_left_as_it_was(bench, tmp_path: Path):
     again = json.loads(pooled.read_text())["across_batches"]
     assert again["signal"] == pytest.approx(result["across_batches"]["signal"])
     assert sorted(p.name for p in run.iterdir()) == before
-    assert set(Path(tempfile.gettempdir()).glob("agentree-noise-*")) == tmp_before
 
 
 @pytest.mark.slow
@@ -205,11 +211,15 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     select = {"output": str(run), "rollout": "grpo"}
     cfg = load_config("frozenlake_patr", select=select, overrides=[*SMALL, "rollout.G=4"])
     (run / "config.yaml").write_text(cfg.to_yaml())
-    tmp_before = set(Path(tempfile.gettempdir()).glob("agentree-noise-*"))
+    scratch = tmp_path / "scratch"  # its temporary root: nothing else writes there
+    scratch.mkdir()
     out = tmp_path / "noise.json"
     script = Path(__file__).parents[1] / "benchmarks" / "gradient_noise.py"
     argv = [sys.executable, "-u", str(script), str(run), "--batches", "20", "--out", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     seen: list[str] = []
     assert proc.stdout is not None
     watchdog = threading.Timer(600, proc.kill)  # a hung measurement fails instead of hanging
@@ -229,4 +239,4 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     assert result["batches_requested"] == 20
     assert result["stopped_after"] == len(result["batches"]) >= 2
     assert result["across_batches"]["tasks"] == 4 * result["stopped_after"]
-    assert set(Path(tempfile.gettempdir()).glob("agentree-noise-*")) == tmp_before
+    assert list(scratch.iterdir()) == []
