@@ -189,7 +189,7 @@ def test_a_run_directory_is_measured_and_left_as_it_was(
     before = sorted(p.name for p in run.iterdir())
     out = tmp_path / "noise.json"
     assert bench.main([str(run), "--batches", "2", "--out", str(out)]) == 0
-    assert list(scratch.iterdir()) == []  # the trainer's directory was removed
+    assert list(scratch.glob("agentree-*")) == []  # the trainer's directory was removed
     result = json.loads(out.read_text())
     assert len(result["batches"]) == 2 and result["tasks_per_step"] == 4
     assert all(r["tasks"] == 4 for r in result["batches"])
@@ -239,4 +239,4 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     assert result["batches_requested"] == 20
     assert result["stopped_after"] == len(result["batches"]) >= 2
     assert result["across_batches"]["tasks"] == 4 * result["stopped_after"]
-    assert list(scratch.iterdir()) == []
+    assert list(scratch.glob("agentree-*")) == []  # torch may keep its own caches there
