@@ -44,7 +44,9 @@ standard error) measured and predicted. `--pool FILE...` summarises the batches 
 measurements of one setting, e.g. one per `--set seed=S`, so a long measurement runs and
 resumes seed by seed; with `--against FILE...`, measurements of another setting on the same
 batches (another advantage estimator on the same seeds samples the same rollouts), it adds
-`paired`: each side's |G|^2 / tr(Sigma) = 1 / B and their difference, jackknifed block by block.
+`paired`: each side's |G|^2 / tr(Sigma) = 1 / B and their difference, jackknifed block by block,
+and `cos_expected`, the cosine between the two settings' expected gradients (from the pairs of
+tasks in different blocks): whether they point the same way, which B does not say.
 """
 
 from __future__ import annotations
@@ -258,15 +260,58 @@ def across_batches(
     return out | predictions(out["noise_scale"], n)
 
 
-def _gram(sums: Sequence[torch.Tensor], chunk: int = 1 << 16) -> torch.Tensor:
-    """The blocks' sums' dot products, every pair, in float64: one matrix product a slice of
-    the parameters at a time (thirty seeds of eight blocks pool in seconds, not minutes)."""
-    m = len(sums)
-    gram = torch.zeros(m, m, dtype=torch.float64)
+def _gram(
+    sums: Sequence[torch.Tensor],
+    other: Sequence[torch.Tensor] | None = None,
+    chunk: int = 1 << 16,
+) -> torch.Tensor:
+    """The dot products of the blocks' sums with `other`'s (with each other by default), every
+    pair, in float64: one matrix product a slice of the parameters at a time (thirty seeds of
+    eight blocks pool in seconds, not minutes)."""
+    rows = len(sums)
+    cols = rows if other is None else len(other)
+    gram = torch.zeros(rows, cols, dtype=torch.float64)
     for start in range(0, sums[0].numel(), chunk):
         part = torch.stack([x.reshape(-1)[start : start + chunk] for x in sums]).double()
-        gram += part @ part.T
+        if other is None:
+            gram += part @ part.T
+        else:
+            part_b = torch.stack([x.reshape(-1)[start : start + chunk] for x in other]).double()
+            gram += part @ part_b.T
     return gram
+
+
+def _cross_blocks(gram: torch.Tensor, tasks: Sequence[int], keep: Sequence[int]) -> float:
+    """G_a . G_b from the pairs of tasks in different blocks of `keep` (independent batches):
+    sum over blocks k != l of S_a,k . S_b,l over sum of n_k n_l, unbiased for two estimators'
+    terms on the same tasks as for one estimator's (gram = its own)."""
+    idx = torch.as_tensor(list(keep), dtype=torch.long)
+    g = gram[idx][:, idx]
+    n = torch.as_tensor([tasks[i] for i in keep], dtype=torch.float64)
+    return float((g.sum() - g.diagonal().sum()) / (n.sum() ** 2 - (n**2).sum()))
+
+
+def expected_cosine(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The cosine between two settings' expected gradients, measured on the same batches block
+    by block: G_a . G_b / (|G_a| |G_b|), each product from the pairs of tasks in different
+    blocks, with a leave-one-block-out jackknife. 1 when the two expected steps point the same
+    way, whatever their noise; None where a signal is not above zero."""
+    every = list(range(len(a["sums"])))
+    g_ab, g_aa, g_bb = _gram(a["sums"], b["sums"]), _gram(a["sums"]), _gram(b["sums"])
+
+    def cos(keep: Sequence[int]) -> float | None:
+        aa, bb = _cross_blocks(g_aa, a["tasks"], keep), _cross_blocks(g_bb, b["tasks"], keep)
+        if aa <= 0 or bb <= 0:
+            return None
+        return _cross_blocks(g_ab, a["tasks"], keep) / math.sqrt(aa * bb)
+
+    loo = [cos([j for j in every if j != i]) for i in every]
+    full = cos(every)
+    resolved = full is not None and all(c is not None for c in loo)
+    return {
+        "cos_expected": full,
+        "cos_expected_se": _jackknife([c for c in loo if c is not None]) if resolved else None,
+    }
 
 
 def _pair_estimator(sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int]) -> Any:
@@ -313,7 +358,7 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "snr_against_se": _jackknife([snr(est_b, k) for k in loo]),
         "snr_diff": snr(est_a, every) - snr(est_b, every),
         "snr_diff_se": _jackknife(diffs),
-    }
+    } | expected_cosine(a, b)
 
 
 def _jackknife(values: Sequence[float]) -> float | None:
@@ -535,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{pr['snr_se']:.1e} against {pr['snr_against']:.2e} ± {pr['snr_against_se']:.1e}; "
             f"difference {pr['snr_diff']:+.2e} ± {pr['snr_diff_se']:.1e}"
         )
+        if pr["cos_expected"] is not None:
+            se = pr["cos_expected_se"]
+            print(
+                f"  the two expected gradients' cosine {pr['cos_expected']:+.3f}"
+                + ("" if se is None else f" ± {se:.3f}")
+            )
     print(f"wrote {args.out}")
     return 130 if "stopped_after" in result else 0
 

@@ -240,3 +240,21 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     assert result["stopped_after"] == len(result["batches"]) >= 2
     assert result["across_batches"]["tasks"] == 4 * result["stopped_after"]
     assert list(scratch.glob("agentree-*")) == []  # torch may keep its own caches there
+
+
+def test_expected_gradients_cosine_by_hand(bench):
+    """Four blocks of one task: a = (1,0), (3,0), (2,2), (0,2) and b = the same with y negated.
+    From the pairs in different blocks (12 ordered pairs of one task each): G_a . G_b = ((6,4) .
+    (6,-4) - (1 + 9 + 0 - 4)) / 12 = 7/6, |G_a|^2 = |G_b|^2 = (52 - 22) / 12 = 5/2, so the
+    cosine is 7/15; a setting against itself gives 1."""
+    a = [torch.tensor(v) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0), (0.0, 2.0))]
+    b = [x * torch.tensor([1.0, -1.0]) for x in a]
+    side_a = {"sums": a, "sq": [float(x @ x) for x in a], "tasks": [1, 1, 1, 1]}
+    side_b = {"sums": b, "sq": [float(x @ x) for x in b], "tasks": [1, 1, 1, 1]}
+    out = bench.expected_cosine(side_a, side_b)
+    assert out["cos_expected"] == pytest.approx(7 / 15)
+    assert out["cos_expected_se"] is not None and out["cos_expected_se"] > 0
+    same = bench.expected_cosine(side_a, side_a)
+    assert same["cos_expected"] == pytest.approx(1.0)
+    assert same["cos_expected_se"] == pytest.approx(0.0, abs=1e-12)
+    assert bench.paired(side_a, side_b)["cos_expected"] == pytest.approx(7 / 15)
