@@ -291,13 +291,17 @@ def _cross_blocks(gram: torch.Tensor, tasks: Sequence[int], keep: Sequence[int])
     return float((g.sum() - g.diagonal().sum()) / (n.sum() ** 2 - (n**2).sum()))
 
 
-def expected_cosine(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def expected_cosine(
+    a: dict[str, Any], b: dict[str, Any], grams: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """The cosine between two settings' expected gradients, measured on the same batches block
     by block: G_a . G_b / (|G_a| |G_b|), each product from the pairs of tasks in different
     blocks, with a leave-one-block-out jackknife. 1 when the two expected steps point the same
-    way, whatever their noise; None where a signal is not above zero."""
+    way, whatever their noise; None where a signal is not above zero. `grams`: each side's own
+    Gram matrix (`_gram`), where the caller has them already."""
     every = list(range(len(a["sums"])))
-    g_ab, g_aa, g_bb = _gram(a["sums"], b["sums"]), _gram(a["sums"]), _gram(b["sums"])
+    g_aa, g_bb = grams if grams is not None else (_gram(a["sums"]), _gram(b["sums"]))
+    g_ab = _gram(a["sums"], b["sums"])
 
     def cos(keep: Sequence[int]) -> float | None:
         aa, bb = _cross_blocks(g_aa, a["tasks"], keep), _cross_blocks(g_bb, b["tasks"], keep)
@@ -314,9 +318,15 @@ def expected_cosine(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _pair_estimator(sums: Sequence[torch.Tensor], sq: Sequence[float], tasks: Sequence[int]) -> Any:
-    """(tr(Sigma), |G|^2) from every pair of the tasks of the blocks kept, for any subset."""
-    gram = _gram(sums)
+def _pair_estimator(
+    sums: Sequence[torch.Tensor],
+    sq: Sequence[float],
+    tasks: Sequence[int],
+    gram: torch.Tensor | None = None,
+) -> Any:
+    """(tr(Sigma), |G|^2) from every pair of the tasks of the blocks kept, for any subset
+    (`gram`: the sums' `_gram`, where the caller has it already)."""
+    gram = _gram(sums) if gram is None else gram
 
     def estimate(keep: Sequence[int]) -> tuple[float, float]:
         idx = torch.as_tensor(list(keep), dtype=torch.long)
@@ -340,8 +350,9 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "--against needs the same blocks on both sides (same files in the same order, "
             f"the same tasks per block): {a['tasks']} against {b['tasks']}"
         )
-    est_a = _pair_estimator(a["sums"], a["sq"], a["tasks"])
-    est_b = _pair_estimator(b["sums"], b["sq"], b["tasks"])
+    grams = (_gram(a["sums"]), _gram(b["sums"]))  # each side's, for both figures below
+    est_a = _pair_estimator(a["sums"], a["sq"], a["tasks"], grams[0])
+    est_b = _pair_estimator(b["sums"], b["sq"], b["tasks"], grams[1])
 
     def snr(est: Any, keep: Sequence[int]) -> float:
         noise, signal = est(keep)
@@ -358,7 +369,7 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "snr_against_se": _jackknife([snr(est_b, k) for k in loo]),
         "snr_diff": snr(est_a, every) - snr(est_b, every),
         "snr_diff_se": _jackknife(diffs),
-    } | expected_cosine(a, b)
+    } | expected_cosine(a, b, grams)
 
 
 def _jackknife(values: Sequence[float]) -> float | None:
