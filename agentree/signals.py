@@ -12,6 +12,9 @@ any other thread each of these does nothing.
   so `kill` cleans up or keeps what Ctrl-C does.
 - `exit_on_sigterm`: SIGTERM raises `SystemExit` (so atexit runs) where nobody else handles it;
   what the Docker sandboxes install so that their containers are removed.
+- `cpu_time_limit`: SIGPROF raises `CPUTimeExceeded` once a block has used its CPU seconds; what
+  the math env's equivalence check runs under, so that its verdict does not depend on how
+  loaded the machine is.
 """
 
 from __future__ import annotations
@@ -100,3 +103,32 @@ def exit_on_sigterm() -> bool:
 
 def _exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+class CPUTimeExceeded(BaseException):
+    """A block ran past its `cpu_time_limit`. A `BaseException`, like `KeyboardInterrupt`, so
+    that the `except Exception` of the code it interrupts does not swallow it."""
+
+
+@contextlib.contextmanager
+def cpu_time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise `CPUTimeExceeded` once the process has spent `seconds` of CPU time (user and
+    system, all threads) inside the block. CPU time rather than wall time, so that other
+    processes competing for the cores cannot make the limit expire. Main thread only; from any
+    other thread, or with `seconds` None, the block runs without a limit. The timer re-fires
+    every 50 ms of CPU time until the block ends, in case the code swallowed the first
+    exception."""
+    if not seconds or not _main_thread():
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise CPUTimeExceeded(f"over {seconds} s of CPU time")
+
+    handler = signal.signal(signal.SIGPROF, expire)
+    timer = signal.setitimer(signal.ITIMER_PROF, seconds, 0.05)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, *timer)
+        signal.signal(signal.SIGPROF, handler)

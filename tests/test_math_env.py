@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 import threading
+import time
 import warnings
 from fractions import Fraction
 
@@ -119,8 +122,38 @@ def test_explosive_answers_skip_the_cas() -> None:
         assert cas_safe(fine)
 
 
+def test_time_limit_counts_cpu_time_not_wall_time() -> None:
+    # equal, but sympy spends about 9 s of CPU expanding both sides: over the limit, the strings
+    # decide (a timeout is no verdict)
+    slow = ("(x^2-y^2+x-y)^{60}", "(x+y+1)^{60}(x-y)^{60}")
+    assert answers_match(*slow, verifier="math_verify", timeout_s=1) == (False, "string")
+    # equal at about 0.4 s of CPU, checked on a core shared with seven busy processes, so that
+    # the check takes several times its 1 s limit in wall time: it still gets math_verify's verdict
+    pair = ("(x^2-y^2+x-y)^{20}", "(x+y+1)^{20}(x-y)^{20}")
+    core = min(os.sched_getaffinity(0))
+    spin = f"import os; os.sched_setaffinity(0, {{{core}}}); print(flush=True)\nwhile True: pass"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(7)
+    ]
+    before = os.sched_getaffinity(0)
+    try:
+        for hog in hogs:
+            assert hog.stdout is not None and hog.stdout.readline() == b"\n"  # pinned, spinning
+        os.sched_setaffinity(0, {core})
+        start = time.perf_counter()
+        assert answers_match(*pair, verifier="math_verify", timeout_s=1) == (True, "math_verify")
+        assert time.perf_counter() - start > 1  # the load really stretched the check past 1 s
+    finally:
+        os.sched_setaffinity(0, before)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+            assert hog.stdout is not None
+            hog.stdout.close()
+
+
 def test_checking_works_outside_the_main_thread() -> None:
-    # math_verify's timeout uses SIGALRM (main thread only); off the main thread it runs without
+    # signals reach the main thread only; off it the check runs without a time limit
     results: list[tuple[bool, str]] = []
     worker = threading.Thread(target=lambda: results.append(answers_match("0.5", "\\frac12")))
     worker.start()

@@ -6,8 +6,9 @@ and rewards 1 if it is equivalent to the reference answer, else 0 (DAPO / TreeRL
 correctness only).
 
 Equivalence is decided by `math_verify` (parse both sides, then `verify`; optional dependency
-`agentree[math]`). Without it, when it cannot parse a side, or for answers whose evaluation could
-explode (`9^{9^{9}}`, see `cas_safe`), a normalised comparison is used:
+`agentree[math]`). Without it, when it cannot parse a side or takes over `timeout_s` CPU seconds,
+or for answers whose evaluation could explode (`9^{9^{9}}`, see `cas_safe`), a normalised
+comparison is used:
 LaTeX spacing/wrappers stripped, fractions and decimals compared as exact numbers (with 1e-6
 relative tolerance for rounded decimals), anything else compared as normalised strings.
 
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import re
-import threading
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
@@ -35,6 +36,7 @@ from pydantic import Field, field_validator
 from agentree.envs.base import EnvConfig, Task, records_to_tasks, register_env
 from agentree.envs.single import SingleStepEnv
 from agentree.prompts import render
+from agentree.signals import CPUTimeExceeded, cpu_time_limit
 
 # -- answer extraction ---------------------------------------------------------------------------
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -110,7 +112,14 @@ def load_math_verify(required: bool = False) -> ModuleType | None:
             )
             _warned_missing = True
         return None
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_own_time_limit)
     return math_verify
+
+
+def _own_time_limit(record: logging.LogRecord) -> bool:
+    """Drops math_verify's notice that it enforces no timeout: `answers_match` enforces one."""
+    return not record.getMessage().startswith("Timeout is disabled")
 
 
 def answers_match(
@@ -125,15 +134,17 @@ def answers_match(
         return True, "exact"
     mv = load_math_verify(required=verifier == "math_verify") if verifier != "string" else None
     if mv is not None and cas_safe(prediction) and cas_safe(reference):
-        # math_verify times out with SIGALRM, which only works in the main thread.
-        timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+        # The limit is CPU time, not math_verify's own wall-clock alarm, which a loaded machine
+        # would let expire on a correct answer; like any signal, it is enforced in the main
+        # thread only.
         try:
-            gold = mv.parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout)
-            guess = mv.parse(f"\\boxed{{{prediction}}}", parsing_timeout=timeout)
-            if gold and guess:
-                return bool(mv.verify(gold, guess, timeout_seconds=timeout)), "math_verify"
-        except Exception:  # a reward check must not crash the rollout; fall back to strings
-            pass
+            with cpu_time_limit(timeout_s):
+                gold = mv.parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
+                guess = mv.parse(f"\\boxed{{{prediction}}}", parsing_timeout=None)
+                if gold and guess:
+                    return bool(mv.verify(gold, guess, timeout_seconds=None)), "math_verify"
+        except (Exception, CPUTimeExceeded):
+            pass  # no verdict (an error, or over the time limit): the strings decide
     return strings_match(prediction, reference), "string"
 
 
@@ -368,7 +379,8 @@ class MathConfig(EnvConfig):
     verifier: Literal["auto", "math_verify", "string"] = "auto"
     """Equivalence check: math_verify if installed (auto), required, or normalised strings."""
     timeout_s: int = Field(5, ge=1)
-    """math_verify parse/verify timeout in seconds (only enforceable in the main thread)."""
+    """CPU seconds math_verify may take to parse and compare one answer before the strings
+    decide (enforced in the main thread only)."""
     kinds: list[str] | None = None
     """Generated problem kinds to draw from (default: all of PROBLEM_KINDS)."""
 
