@@ -156,8 +156,8 @@ def cas_safe(answer: str) -> bool:
     """False for answers whose evaluation could explode (towers of powers, big factorials).
 
     sympy evaluates `9^{9^{9}}` or `(10^{100})!` eagerly inside one C call, so no timeout can
-    interrupt it (math_verify's SIGALRM timeout only exists in the main thread anyway). Such
-    answers skip the CAS and are compared as normalised strings instead.
+    interrupt it (and a signal only reaches the main thread anyway). Such answers skip the CAS
+    and are compared as normalised strings instead.
     """
     if len(answer) > MAX_CAS_CHARS or answer.count("**") > 1:
         return False
