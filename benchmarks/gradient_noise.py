@@ -432,7 +432,7 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="agentree-noise-") as tmp:
         cfg = cfg.model_copy(deep=True)
         cfg.output = tmp
-        trainer = Trainer(cfg, Path(tmp), log=lambda msg: None)
+        trainer = Trainer(cfg, Path(tmp), log=print)  # a warm start's build reports progress
         trainer.stop.install()  # SIGINT and SIGTERM raise KeyboardInterrupt, as in a run
         try:
             if checkpoint is not None:
