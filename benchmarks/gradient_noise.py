@@ -115,7 +115,8 @@ def batch_stats(grads: Sequence[torch.Tensor]) -> dict[str, float]:
     """The noise and signal of one batch from its n tasks' gradient terms g_i (x_i = n g_i):
     `noise` tr(Sigma), `signal` |G|^2 (both unbiased), `grad_sq` |sum g_i|^2 and `cos_halves`,
     the cosine between the sums over the even and the odd tasks (None where a half has no
-    gradient: no informative group in it)."""
+    gradient: no informative group in it), and `task_norms`, each |g_i| (ascending): how heavy
+    the tail of the tasks' terms is, which B, a ratio of means, does not show."""
     n = len(grads)
     if n < 2:
         raise ValueError(f"a batch needs at least 2 tasks to estimate a covariance, got {n}")
@@ -138,6 +139,7 @@ def batch_stats(grads: Sequence[torch.Tensor]) -> dict[str, float]:
         "grad_sq": mean_sq,
         "sum_sq": sq,
         "cos_halves": float(even @ odd) / denom if denom > 0 else None,
+        "task_norms": sorted(float(g.norm()) for g in grads),
     }
 
 
@@ -187,7 +189,35 @@ def summarise(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "informative": sum(r["informative"] for r in rows) / k,
     }
     out.update(predictions(b, n))
+    tails = task_tails(rows)
+    if tails is not None:
+        out["task_tails"] = tails
     return out
+
+
+def task_tails(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """How heavy-tailed the tasks' gradient terms are, over the batches that record them
+    (`task_norms`): the quantiles of |g_i| and, per batch, the largest task's share of
+    sum |g_i|^2; `dominated` counts the batches in which one task carries more than half of it.
+    None when no batch records them (measurements written before they were)."""
+    kept = [r["task_norms"] for r in rows if r.get("task_norms")]
+    if not kept:
+        return None
+    norms = sorted(x for batch in kept for x in batch)
+    shares = [batch[-1] ** 2 / s for batch in kept if (s := sum(x * x for x in batch)) > 0]
+
+    def quantile(q: float) -> float:
+        return norms[min(len(norms) - 1, int(q * len(norms)))]
+
+    return {
+        "batches": len(kept),
+        "median": quantile(0.5),
+        "p90": quantile(0.9),
+        "p99": quantile(0.99),
+        "max": norms[-1],
+        "largest_share": sum(shares) / len(shares) if shares else None,
+        "dominated": sum(share > 0.5 for share in shares),
+    }
 
 
 def _se(values: Sequence[float]) -> float | None:
@@ -524,6 +554,13 @@ def report(result: dict[str, Any]) -> str:
         f"halves' cosine {halves}",
         "  within batches: " + _scale_text(result, n),
     ]
+    tails = result.get("task_tails")
+    if tails is not None:
+        lines.append(
+            f"  tasks' gradient norms over {tails['batches']} batches: median "
+            f"{tails['median']:.3g}, 99th percentile {tails['p99']:.3g}, max {tails['max']:.3g}; "
+            f"one task carries over half of a batch's sum |g_i|^2 in {tails['dominated']}"
+        )
     across = result.get("across_batches")
     if across is not None:
         lines.append(

@@ -47,8 +47,21 @@ def test_batch_stats_by_hand(bench):
     assert row["signal"] == pytest.approx(11 / 3)
     assert row["grad_sq"] == pytest.approx(40 / 9)
     assert row["cos_halves"] == pytest.approx(3 / math.sqrt(13))
+    assert row["task_norms"] == pytest.approx([1 / 3, math.sqrt(8) / 3, 1.0])  # |x_i| / 3
     with pytest.raises(ValueError, match="at least 2 tasks"):
         bench.batch_stats([xs[0]])
+
+
+def test_task_tails_by_hand(bench):
+    """Norms (1, 1, 2) and (0, 1, 3): the largest task's share of sum |g_i|^2 is 4/6 and 9/10,
+    both over half; pooled norms 0, 1, 1, 1, 2, 3 give median 1 (the 4th of 6) and max 3. A
+    batch without the record (an older measurement) is left out."""
+    tails = bench.task_tails([{"task_norms": [1, 1, 2]}, {"task_norms": [0, 1, 3]}, {}])
+    assert tails["batches"] == 2
+    assert tails["median"] == 1 and tails["p99"] == 3 and tails["max"] == 3
+    assert tails["largest_share"] == pytest.approx((4 / 6 + 9 / 10) / 2)
+    assert tails["dominated"] == 2
+    assert bench.task_tails([{}]) is None
 
 
 def test_noise_scale_is_a_ratio_of_means_with_a_jackknife(bench):
