@@ -197,13 +197,14 @@ def summarise(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 def task_tails(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """How heavy-tailed the tasks' gradient terms are, over the batches that record them
-    (`task_norms`): the quantiles of |g_i| and, per batch, the largest task's share of
-    sum |g_i|^2; `dominated` counts the batches in which one task carries more than half of it.
-    None when no batch records them (measurements written before they were)."""
+    (`task_norms`): the quantiles of |g_i| over the tasks with a gradient (a group whose rewards
+    are all equal has none) and, per batch, the largest task's share of sum |g_i|^2; `dominated`
+    counts the batches in which one task carries more than half of it. None when no batch
+    records them (measurements written before they were)."""
     kept = [r["task_norms"] for r in rows if r.get("task_norms")]
-    if not kept:
+    norms = sorted(x for batch in kept for x in batch if x > 0)
+    if not norms:
         return None
-    norms = sorted(x for batch in kept for x in batch)
     shares = [batch[-1] ** 2 / s for batch in kept if (s := sum(x * x for x in batch)) > 0]
 
     def quantile(q: float) -> float:
@@ -557,7 +558,7 @@ def report(result: dict[str, Any]) -> str:
     tails = result.get("task_tails")
     if tails is not None:
         lines.append(
-            f"  tasks' gradient norms over {tails['batches']} batches: median "
+            f"  gradient norms of the tasks with one, over {tails['batches']} batches: median "
             f"{tails['median']:.3g}, 99th percentile {tails['p99']:.3g}, max {tails['max']:.3g}; "
             f"one task carries over half of a batch's sum |g_i|^2 in {tails['dominated']}"
         )

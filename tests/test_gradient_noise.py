@@ -54,14 +54,15 @@ def test_batch_stats_by_hand(bench):
 
 def test_task_tails_by_hand(bench):
     """Norms (1, 1, 2) and (0, 1, 3): the largest task's share of sum |g_i|^2 is 4/6 and 9/10,
-    both over half; pooled norms 0, 1, 1, 1, 2, 3 give median 1 (the 4th of 6) and max 3. A
-    batch without the record (an older measurement) is left out."""
+    both over half; the norms of the tasks with a gradient, 1, 1, 1, 2, 3, give median 1 (the
+    3rd of 5) and max 3. A batch without the record (an older measurement) is left out."""
     tails = bench.task_tails([{"task_norms": [1, 1, 2]}, {"task_norms": [0, 1, 3]}, {}])
     assert tails["batches"] == 2
     assert tails["median"] == 1 and tails["p99"] == 3 and tails["max"] == 3
     assert tails["largest_share"] == pytest.approx((4 / 6 + 9 / 10) / 2)
     assert tails["dominated"] == 2
     assert bench.task_tails([{}]) is None
+    assert bench.task_tails([{"task_norms": [0.0, 0.0]}]) is None  # no task with a gradient
 
 
 def test_noise_scale_is_a_ratio_of_means_with_a_jackknife(bench):
