@@ -66,6 +66,7 @@ from agentree.algorithms.loss import loss_normalizer, rollout_is_weights
 from agentree.algorithms.packing import batch_logprobs
 from agentree.config import ExperimentConfig, load_config
 from agentree.run.trainer import Trainer
+from agentree.signals import interrupt_on_sigterm
 from agentree.tree import Trajectory, Tree
 
 
@@ -460,7 +461,9 @@ def measure(
     rows: list[dict[str, float]] = []
     sums = Blocks(min(blocks, batches))
     stopped = False
-    with tempfile.TemporaryDirectory(prefix="agentree-noise-") as tmp:
+    # SIGTERM unwinds (removing the directory) from the start, not only once the trainer's own
+    # stop handling is installed after it is built
+    with interrupt_on_sigterm(), tempfile.TemporaryDirectory(prefix="agentree-noise-") as tmp:
         cfg = cfg.model_copy(deep=True)
         cfg.output = tmp
         trainer = Trainer(cfg, Path(tmp), log=print)  # a warm start's build reports progress

@@ -256,6 +256,41 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     assert list(scratch.glob("agentree-*")) == []  # torch may keep its own caches there
 
 
+@pytest.mark.slow
+def test_a_stop_while_the_trainer_is_built_leaves_nothing(tmp_path: Path):
+    """SIGTERM once the policy is resolved, while the trainer around it is still being built
+    (before its own stop handling is installed): nothing written, exit 130, and the temporary
+    directory the trainer was being built in is removed."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = tmp_path / "noise.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "gradient_noise.py"
+    argv = [sys.executable, "-u", str(script), "frozenlake_patr", "--rollout", "grpo"]
+    argv += [x for item in SMALL for x in ("--set", item)]
+    argv += ["--batches", "20", "--out", str(out)]
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    seen: list[str] = []
+    assert proc.stdout is not None
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("policy weights:"):  # the trainer's log, as it builds
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "before two batches were measured: nothing written" in rest
+    assert not out.exists()
+    assert list(scratch.glob("agentree-*")) == []
+
+
 def test_expected_gradients_cosine_by_hand(bench):
     """Four blocks of one task: a = (1,0), (3,0), (2,2), (0,2) and b = the same with y negated.
     From the pairs in different blocks (12 ordered pairs of one task each): G_a . G_b = ((6,4) .
