@@ -124,11 +124,14 @@ def batch_stats(grads: Sequence[torch.Tensor]) -> dict[str, float]:
     total = torch.zeros_like(grads[0])
     even = torch.zeros_like(grads[0])
     sq = 0.0
+    norms = []
     for i, g in enumerate(grads):
         total += g
         if i % 2 == 0:
             even += g
-        sq += float(g @ g) * n * n
+        g_sq = float(g @ g)
+        sq += g_sq * n * n
+        norms.append(math.sqrt(g_sq))
     odd = total - even
     mean_sq = float(total @ total)  # |mean x|^2, the batch's gradient
     noise, signal = _pair_estimator([total * n], [sq], [n])([0])  # the pairs inside the batch
@@ -140,7 +143,7 @@ def batch_stats(grads: Sequence[torch.Tensor]) -> dict[str, float]:
         "grad_sq": mean_sq,
         "sum_sq": sq,
         "cos_halves": float(even @ odd) / denom if denom > 0 else None,
-        "task_norms": sorted(float(g.norm()) for g in grads),
+        "task_norms": sorted(norms),
     }
 
 

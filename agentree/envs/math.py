@@ -112,14 +112,16 @@ def load_math_verify(required: bool = False) -> ModuleType | None:
             )
             _warned_missing = True
         return None
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(name).addFilter(_own_time_limit)
     return math_verify
 
 
 def _own_time_limit(record: logging.LogRecord) -> bool:
     """Drops math_verify's notice that it enforces no timeout: `answers_match` enforces one."""
     return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):  # loggers exist by name, imported or not
+    logging.getLogger(_name).addFilter(_own_time_limit)
 
 
 def answers_match(
