@@ -12,6 +12,8 @@ any other thread each of these does nothing.
   so `kill` cleans up or keeps what Ctrl-C does.
 - `exit_on_sigterm`: SIGTERM raises `SystemExit` (so atexit runs) where nobody else handles it;
   what the Docker sandboxes install so that their containers are removed.
+- `run_child`, `stop_children`: child commands run so that a stop of this process stops them
+  too: each gets one SIGTERM and time to checkpoint or remove its containers before a SIGKILL.
 - `cpu_time_limit`: SIGPROF raises `CPUTimeExceeded` once a block has used its CPU seconds; what
   the math env's equivalence check runs under, so that its verdict does not depend on how
   loaded the machine is.
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -103,6 +107,56 @@ def exit_on_sigterm() -> bool:
 
 def _exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def run_child(
+    cmd: list[str],
+    *,
+    check: bool = False,
+    grace_s: float = 120.0,
+    started: Callable[[subprocess.Popen], Any] | None = None,
+    **popen: Any,
+) -> int:
+    """Run `cmd` to the end and return its exit status. If this process is stopped while it
+    waits (Ctrl-C, or SIGTERM under `interrupt_on_sigterm`), the child is stopped as
+    `stop_children` does, then the stop goes on. The child runs in its own session, so Ctrl-C
+    at a terminal reaches it only this way, once (a second signal could cut its checkpoint
+    short); `subprocess.run` would SIGKILL it a quarter of a second after Ctrl-C and leave what
+    it holds behind. `started` is called with the process once it runs (to watch it, or to stop
+    it from another thread); with `check`, a nonzero status raises `CalledProcessError`;
+    `popen` goes to `subprocess.Popen`."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        if started is not None:
+            started(proc)
+        code = proc.wait()
+    except BaseException:
+        stop_children([proc], grace_s)
+        raise
+    if check and code:
+        raise subprocess.CalledProcessError(code, cmd)
+    return code
+
+
+def stop_children(procs: Iterable[subprocess.Popen], grace_s: float = 120.0) -> None:
+    """Stop child processes: each still running gets one SIGTERM and, together, `grace_s`
+    seconds to act on it (an `agentree` command checkpoints, removes its containers and its
+    temporary directories); those still running after it, or all at once if this is itself
+    interrupted, are killed."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    try:
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:  # past the grace, or stopped again while waiting: kill them now
+        for p in live:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 class CPUTimeExceeded(BaseException):

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from agentree.signals import interrupt_on_sigterm, run_child
 
 
 def run(async_steps: int, args: argparse.Namespace, root: Path) -> dict:
@@ -31,7 +32,7 @@ def run(async_steps: int, args: argparse.Namespace, root: Path) -> dict:
     ]
     cmd = [sys.executable, "-m", "agentree", "train", "--steps", str(args.steps)]
     cmd += ["--output", str(out), *[x for s in sets for x in ("--set", s)]]
-    subprocess.run(cmd, check=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    run_child(cmd, check=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/step_s" in r]
     later = steps[1:] or steps
@@ -74,4 +75,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the runs and removes the directory, as Ctrl-C
+        main()

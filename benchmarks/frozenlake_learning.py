@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from agentree.signals import interrupt_on_sigterm, run_child
 
 
 def run(seed: int, out: Path, extra: list[str]) -> dict:
@@ -24,7 +25,7 @@ def run(seed: int, out: Path, extra: list[str]) -> dict:
     for item in extra:
         cmd += ["--set", item]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    run_child(cmd, check=True)
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["eval/success_rate"]) for r in rows if "eval/success_rate" in r]
@@ -60,4 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the runs and removes the directory, as Ctrl-C
+        main()

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from agentree.signals import interrupt_on_sigterm
+
 QWEN25_05B = {
     "vocab_size": 151936,
     "hidden_size": 896,
@@ -374,4 +376,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with interrupt_on_sigterm():  # `kill` removes the directory and the cache in it, as Ctrl-C
+        sys.exit(main())

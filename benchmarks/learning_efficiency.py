@@ -80,15 +80,17 @@ with the per-seed curves and the walker's figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,14 +216,19 @@ def calibrate(case: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = CASES[case]
     stats = {}
     for name, extra in (("patr", []), ("flat", ["--rollout", "grpo", "--set", "rollout.G=4"])):
-        with tempfile.TemporaryDirectory(prefix="agentree-calibrate-") as tmp:
-            cmd = [sys.executable, "-m", "agentree", "rollout", "--config", spec["config"], *extra]
-            for item in [*spec.get("env", []), "seed=0", *args.set]:
-                cmd += ["--set", item]
-            cmd += ["--policy", "tiny-warm", "--tasks", str(args.calibrate), "--output", tmp]
-            print(f"[{time.strftime('%H:%M:%S')}] {case} calibration: {name}", flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            stats[name] = json.loads((Path(tmp) / "rollout_stats.json").read_text())
+        # beside the runs rather than in /tmp: a stopped benchmark exits at once (`stop_runs`)
+        rollouts = out / case / f"calibration-{name}"
+        shutil.rmtree(rollouts, ignore_errors=True)  # a stopped calibration's
+        cmd = [sys.executable, "-m", "agentree", "rollout", "--config", spec["config"], *extra]
+        for item in [*spec.get("env", []), "seed=0", *args.set]:
+            cmd += ["--set", item]
+        cmd += ["--policy", "tiny-warm", "--tasks", str(args.calibrate), "--output", str(rollouts)]
+        print(f"[{time.strftime('%H:%M:%S')}] {case} calibration: {name}", flush=True)
+        with _live(cmd, rollouts, stdout=subprocess.DEVNULL) as proc:
+            if proc.wait() != 0:
+                raise subprocess.CalledProcessError(proc.returncode, cmd)
+        stats[name] = json.loads((rollouts / "rollout_stats.json").read_text())
+        shutil.rmtree(rollouts)
     sizing = {
         "budget_per_task": stats["patr"]["env_steps"] / args.calibrate,
         "turns": stats["flat"]["env_steps"] / stats["flat"]["trajectories"],
@@ -269,29 +276,20 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
     if args.jobs > 1:  # parallel runs share the cores: one thread each instead of oversubscribing
         env["OMP_NUM_THREADS"] = "1"
     run.parent.mkdir(parents=True, exist_ok=True)
-    with _LIVE_LOCK:  # started under the lock, so a stopping benchmark starts no new run
-        if _STOPPING.is_set():
-            raise RuntimeError("the benchmark is stopping")
-        print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-            errors="replace",
-        )  # fmt: skip
-        _LIVE[proc] = run
-        prefix = f"{method} seed {seed}: " if args.jobs > 1 else ""
+    print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
+    prefix = f"{method} seed {seed}: " if args.jobs > 1 else ""
+
+    def copy_output(proc: subprocess.Popen) -> threading.Thread:
         copier = threading.Thread(
             target=echo, args=(proc, run.with_suffix(".log"), prefix), daemon=True
         )
         copier.start()
-        _ECHO[proc] = copier
-    with proc:
-        try:
-            rc = proc.wait()
-            copier.join()
-        finally:
-            with _LIVE_LOCK:
-                _LIVE.pop(proc, None)
-                _ECHO.pop(proc, None)
+        return copier
+
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with _live(cmd, run, copy_output, env=env, errors="replace", **popen) as proc:
+        rc = proc.wait()
+        _ECHO[proc].join()
     if rc != 0:
         raise subprocess.CalledProcessError(rc, cmd)
     return run
@@ -317,6 +315,32 @@ _STOPPING = threading.Event()
 STOP_GRACE_S = 120
 """How long a stopped run may take to checkpoint. A run honours SIGTERM within seconds unless
 it is inside an optimiser step or a checkpoint write; one still running after this is killed."""
+
+
+@contextlib.contextmanager
+def _live(
+    cmd: list[str],
+    where: Path,
+    copy_output: Callable[[subprocess.Popen], threading.Thread] | None = None,
+    **popen: Any,
+) -> Iterator[subprocess.Popen]:
+    """`cmd` (writing into `where`) started as a child that a stopping benchmark stops and
+    waits for (`stop_runs`); started under the lock, so a stopping benchmark starts none.
+    `copy_output` starts the thread that copies its output, joined before the benchmark exits."""
+    with _LIVE_LOCK:
+        if _STOPPING.is_set():
+            raise RuntimeError("the benchmark is stopping")
+        proc = subprocess.Popen(cmd, **popen)
+        _LIVE[proc] = where
+        if copy_output is not None:
+            _ECHO[proc] = copy_output(proc)
+    try:
+        with proc:
+            yield proc
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(proc, None)
+            _ECHO.pop(proc, None)
 
 
 def stop_runs(signum: int, _frame: Any) -> None:
@@ -756,7 +780,10 @@ def main() -> None:
     for case in CASES if args.case == "all" else [args.case]:
         sized = "methods" not in CASES[case] and not (args.budget and args.turns)
         if sized and args.calibrate:
-            args.sizing[case] = calibrate(case, out, args)
+            # on a thread, as the runs: a stop's handler (`stop_runs`, on the main thread) then
+            # never finds the main thread holding the lock under which children are started
+            with ThreadPoolExecutor(1) as pool:
+                args.sizing[case] = pool.submit(calibrate, case, out, args).result()
             print(f"{case} sizing: {json.dumps(args.sizing[case])}", flush=True)
         known = list(methods_of(case, args))
         methods = args.methods or known

@@ -36,6 +36,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from agentree.signals import interrupt_on_sigterm, run_child
+
 ZERO_SHOT = {
     "frozenlake": ("frozenlake_patr_smollm2", "32", 2),
     "countdown": ("countdown_latr_smollm2", "32", 2),
@@ -48,7 +50,7 @@ ZERO_SHOT = {
 def convert(policy: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="agentree-bench-cache-") as cache:
         t0 = time.perf_counter()
-        subprocess.run(
+        run_child(
             ["agentree", "models", "pull", policy],
             env={**os.environ, "AGENTREE_CACHE": cache},
             check=True,
@@ -118,7 +120,7 @@ def zero_shot(policy: str, envs: list[str], out_dir: Path) -> dict[str, dict]:
         cmd = ["agentree", "eval", "--config", config, "--policy", policy, "--tasks", tasks]
         cmd += ["--samples", str(samples), "--output", str(run)]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
+        run_child(cmd, check=True)
         summary = json.loads((run / "eval.json").read_text())["summary"]
         well, judged = action_format([Tree.load(f) for f in sorted((run / "trees").glob("*.json"))])
         results[env] = {
@@ -163,7 +165,7 @@ def judge(policy: str, tasks: str, timeout: float, out_dir: Path) -> dict:
         for key, value in {"base_url": f"{url}/v1", "model": policy, "timeout": timeout}.items():
             cmd += ["--set", f"scorer.{key}={value}"]
         t1 = time.perf_counter()
-        subprocess.run(cmd, check=True)
+        run_child(cmd, check=True)
         wall = time.perf_counter() - t1
     finally:
         server.terminate()
@@ -234,4 +236,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the children and removes the directories
+        main()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import agentree
 from agentree.config import load_config
+from agentree.signals import interrupt_on_sigterm
 
 ROOT = Path(agentree.__file__).parent
 
@@ -126,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` removes the run directory, as Ctrl-C
+        main()

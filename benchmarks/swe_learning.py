@@ -30,6 +30,7 @@ import ast
 import contextlib
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,12 +40,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from agentree.signals import interrupt_on_sigterm, run_child, stop_children
+
 ROLLOUT_SETS = {
     # PATR: B0 branches, advance K turns, expand top_k by M children each (forking containers)
     "patr": ["rollout.B0=2", "rollout.K=2", "rollout.M=2", "rollout.top_k=1"],
     # flat GRPO: G independent episodes, no forking
     "grpo": ["rollout.G=4"],
 }
+
+
+_CHILDREN: list[subprocess.Popen] = []
+"""The runs' `agentree train` processes, started on the pool's threads."""
+_STOPPING = threading.Event()
+_LOCK = threading.Lock()
 
 
 def _watch_containers(pid: int, stop: threading.Event, peak: list[int]) -> None:
@@ -98,11 +107,19 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
     run directory into the benchmark's figures, kept in `out/bench.json`."""
     stop, peak = threading.Event(), [0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    watcher = threading.Thread(target=_watch_containers, args=(proc.pid, stop, peak), daemon=True)
-    watcher.start()
-    rc = proc.wait()
-    stop.set()
+
+    def watch(proc: subprocess.Popen) -> None:
+        with _LOCK:  # the main thread stops it if the benchmark is stopped
+            _CHILDREN.append(proc)
+            if _STOPPING.is_set():  # started just as the benchmark stopped
+                proc.send_signal(signal.SIGTERM)
+        args = (proc.pid, stop, peak)
+        threading.Thread(target=_watch_containers, args=args, daemon=True).start()
+
+    try:
+        rc = run_child(cmd, started=watch)
+    finally:
+        stop.set()
     wall = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"agentree train ({rollout}, seed {seed}) failed with exit code {rc}")
@@ -201,7 +218,15 @@ def main() -> None:
             futures = [
                 pool.submit(run, r, s, root / f"{r}-seed{s}", args, heldout) for r, s in jobs
             ]
-            results = [f.result() for f in futures]
+            try:
+                results = [f.result() for f in futures]
+            except BaseException:  # Ctrl-C or `kill`: the runs checkpoint before the pool ends
+                pool.shutdown(wait=False, cancel_futures=True)  # no run starts after this
+                with _LOCK:
+                    _STOPPING.set()
+                    live = list(_CHILDREN)
+                stop_children(live)
+                raise
     head = f"{'rollout':>7} {'seed':>4} {'wall':>6} {'env steps':>9} {'forks':>5} {'scorer':>6}"
     head += f" {'rewarded':>8} {'updates':>7} {'sandbox/step':>12} {'containers':>10}"
     print(head + "  held-out resolved (env steps: %)")
@@ -219,4 +244,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the runs (they resume) as Ctrl-C does
+        main()

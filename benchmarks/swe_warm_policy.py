@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from agentree.signals import interrupt_on_sigterm, run_child
 
 
 def main() -> None:
@@ -167,26 +168,9 @@ def evaluate_chunk(args: argparse.Namespace, lines: list[str], where: Path) -> N
     ]  # fmt: skip
     for s in args.set:
         cmd += ["--set", s]
-    run_child(cmd)
-
-
-def run_child(cmd: list[str]) -> None:
-    """Run `cmd` to the end. On Ctrl-C, which the child gets too (same process group), wait for
-    it to remove its containers: `subprocess.run` would SIGKILL it after a quarter second and
-    leave them running."""
-    proc = subprocess.Popen(cmd)
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait()
-        raise
-    if rc != 0:
-        raise subprocess.CalledProcessError(rc, cmd)
+    run_child(cmd, check=True)
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the episodes and removes the directory
+        main()

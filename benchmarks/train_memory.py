@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from agentree.signals import interrupt_on_sigterm
+
 
 def build_100m(out: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -145,7 +147,19 @@ def measure(spec: dict, world: int) -> list[dict]:
     from agentree.learner.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="train-memory-") as out:
-        mp.spawn(_rank, args=(world, free_port(), spec, out), nprocs=world)
+        ranks = mp.start_processes(
+            _rank, args=(world, free_port(), spec, out), nprocs=world, join=False
+        )
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:  # a failed rank, Ctrl-C or `kill`: the others stop too, now
+            for p in ranks.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ranks.processes:
+                p.join()
+            raise
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -230,4 +244,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with interrupt_on_sigterm():  # `kill` stops the ranks and removes the directories
+        main()
