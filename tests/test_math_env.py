@@ -12,11 +12,12 @@ import threading
 import time
 import warnings
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
 import agentree.envs.math as math_env
-from agentree.envs import check_env, make_env
+from agentree.envs import cas, check_env, make_env
 from agentree.envs.math import (
     PROBLEM_KINDS,
     MathEnv,
@@ -140,11 +141,14 @@ def test_time_limit_counts_cpu_time_not_wall_time() -> None:
         for hog in hogs:
             assert hog.stdout is not None and hog.stdout.readline() == b"\n"  # pinned, spinning
         os.sched_setaffinity(0, {core})
+        cas.close()  # the check's worker process starts afresh, pinned to the loaded core too
+        answers_match("0.5", "\\frac12")  # started before the clock
         start = time.perf_counter()
         assert answers_match(*pair, verifier="math_verify", timeout_s=1) == (True, "math_verify")
         assert time.perf_counter() - start > 1  # the load really stretched the check past 1 s
     finally:
         os.sched_setaffinity(0, before)
+        cas.close()
         for hog in hogs:
             hog.kill()
             hog.wait()
@@ -152,13 +156,71 @@ def test_time_limit_counts_cpu_time_not_wall_time() -> None:
             hog.stdout.close()
 
 
-def test_checking_works_outside_the_main_thread() -> None:
-    # signals reach the main thread only; off it the check runs without a time limit
+def test_the_time_limit_holds_outside_the_main_thread() -> None:
+    """The turn runner checks answers on worker threads, where no signal reaches: the check
+    runs in a worker process, under its limit whatever thread asks (before, a thread's check
+    had no limit and gave the slow pair math_verify's verdict after about 9 s of CPU)."""
     results: list[tuple[bool, str]] = []
-    worker = threading.Thread(target=lambda: results.append(answers_match("0.5", "\\frac12")))
+
+    def both() -> None:
+        results.append(answers_match("0.5", "\\frac12"))
+        slow = ("(x^2-y^2+x-y)^{60}", "(x+y+1)^{60}(x-y)^{60}")
+        results.append(answers_match(*slow, verifier="math_verify", timeout_s=1))
+
+    worker = threading.Thread(target=both)
     worker.start()
-    worker.join(60)
-    assert results == [(True, "math_verify")]
+    worker.join(120)
+    assert results == [(True, "math_verify"), (False, "string")]
+
+
+def test_a_check_stuck_past_the_backstop_is_killed(monkeypatch) -> None:
+    """A check that its CPU-time limit does not end (here a 9 s expansion under a 60 s limit,
+    as one stuck in a C call would be) is ended by killing its process at the wall-clock
+    backstop (shortened here to 1 s); the strings decide, and the next check gets a fresh
+    process."""
+    slow = ("(x^2-y^2+x-y)^{60}", "(x+y+1)^{60}(x-y)^{60}")
+    assert answers_match("0.5", "\\frac12") == (True, "math_verify")  # a worker is up
+    monkeypatch.setattr(cas, "backstop_s", lambda _timeout_s: 1.0)
+    before = {w.proc.pid for w in cas._all}
+    start = time.perf_counter()
+    assert answers_match(*slow, verifier="math_verify", timeout_s=60) == (False, "string")
+    assert time.perf_counter() - start < 30
+    killed = before - {w.proc.pid for w in cas._all}
+    assert len(killed) == 1
+    assert not Path(f"/proc/{killed.pop()}").exists()  # gone, and reaped
+    monkeypatch.undo()
+    assert answers_match("\\sqrt{4}", "2") == (True, "math_verify")
+
+
+def test_the_check_processes_end_with_their_parent(tmp_path: Path) -> None:
+    """However the process that started them ends (here SIGKILL, which runs no clean-up),
+    the worker processes exit: their stdin closes."""
+    code = (
+        "from agentree.envs import cas; from agentree.envs.math import answers_match\n"
+        "assert answers_match('0.5', '\\\\frac12') == (True, 'math_verify')\n"
+        "print(*[w.proc.pid for w in cas._all], flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert pids and all(Path(f"/proc/{p}").exists() for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"worker processes {pids} outlived their parent"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (an orphan that exited is reaped by init; a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_missing_math_verify_falls_back_with_one_warning(monkeypatch) -> None:

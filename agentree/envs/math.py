@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import random
 import re
 import warnings
@@ -33,10 +32,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from agentree.envs import cas
 from agentree.envs.base import EnvConfig, Task, records_to_tasks, register_env
 from agentree.envs.single import SingleStepEnv
 from agentree.prompts import render
-from agentree.signals import CPUTimeExceeded, cpu_time_limit
 
 # -- answer extraction ---------------------------------------------------------------------------
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -115,15 +114,6 @@ def load_math_verify(required: bool = False) -> ModuleType | None:
     return math_verify
 
 
-def _own_time_limit(record: logging.LogRecord) -> bool:
-    """Drops math_verify's notice that it enforces no timeout: `answers_match` enforces one."""
-    return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.parser", "math_verify.grader"):  # loggers exist by name, imported or not
-    logging.getLogger(_name).addFilter(_own_time_limit)
-
-
 def answers_match(
     prediction: str,
     reference: str,
@@ -136,17 +126,11 @@ def answers_match(
         return True, "exact"
     mv = load_math_verify(required=verifier == "math_verify") if verifier != "string" else None
     if mv is not None and cas_safe(prediction) and cas_safe(reference):
-        # The limit is CPU time, not math_verify's own wall-clock alarm, which a loaded machine
-        # would let expire on a correct answer; like any signal, it is enforced in the main
-        # thread only.
-        try:
-            with cpu_time_limit(timeout_s):
-                gold = mv.parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
-                guess = mv.parse(f"\\boxed{{{prediction}}}", parsing_timeout=None)
-                if gold and guess:
-                    return bool(mv.verify(gold, guess, timeout_seconds=None)), "math_verify"
-        except (Exception, CPUTimeExceeded):
-            pass  # no verdict (an error, or over the time limit): the strings decide
+        # in a worker process, under a limit on its CPU time whatever thread asks (see `cas`)
+        verdict = cas.check(prediction, reference, timeout_s)
+        if verdict is not None:
+            return verdict, "math_verify"
+    # no verdict (no CAS, an error, or over the time limit): the strings decide
     return strings_match(prediction, reference), "string"
 
 
@@ -157,9 +141,9 @@ MAX_CAS_CHARS = 1000
 def cas_safe(answer: str) -> bool:
     """False for answers whose evaluation could explode (towers of powers, big factorials).
 
-    sympy evaluates `9^{9^{9}}` or `(10^{100})!` eagerly inside one C call, so no timeout can
-    interrupt it (and a signal only reaches the main thread anyway). Such answers skip the CAS
-    and are compared as normalised strings instead.
+    sympy evaluates `9^{9^{9}}` or `(10^{100})!` eagerly inside one C call, which the CPU-time
+    limit cannot interrupt (only the backstop's kill ends it, after a minute or more: see
+    `agentree.envs.cas`). Such answers skip the CAS and are compared as normalised strings.
     """
     if len(answer) > MAX_CAS_CHARS or answer.count("**") > 1:
         return False
@@ -382,7 +366,7 @@ class MathConfig(EnvConfig):
     """Equivalence check: math_verify if installed (auto), required, or normalised strings."""
     timeout_s: int = Field(5, ge=1)
     """CPU seconds math_verify may take to parse and compare one answer before the strings
-    decide (enforced in the main thread only)."""
+    decide (in a worker process, from any thread: `agentree.envs.cas`)."""
     kinds: list[str] | None = None
     """Generated problem kinds to draw from (default: all of PROBLEM_KINDS)."""
 
