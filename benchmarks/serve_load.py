@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from agentree.signals import interrupt_on_sigterm, stop_children
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 MAX_REQUESTS = 2000
@@ -43,26 +44,20 @@ def start_server(cmd: str, port: int, timeout: float) -> subprocess.Popen:
     argv = [*shlex.split(cmd), "serve", "--policy", "tiny", "--backend", "transformers"]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(argv)} exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return proc
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"{' '.join(argv)} did not answer within {timeout:.0f}s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(argv)} exited with status {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                    return proc
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+        raise RuntimeError(f"{' '.join(argv)} did not answer within {timeout:.0f}s")
+    except BaseException:  # it failed to come up, or the benchmark was stopped meanwhile
+        stop_children([proc], grace_s=30)
+        raise
 
 
 def free_port() -> int:
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [level(url, c, requests, args.max_seconds, args.max_tokens) for c in levels]
     finally:
         if proc is not None:
-            stop_server(proc)
+            stop_children([proc], grace_s=30)
     header = {
         "server": args.url or args.agentree,
         "cpus": os.cpu_count(),
@@ -193,4 +188,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with interrupt_on_sigterm():  # `kill` stops the server it started, as Ctrl-C does
+        raise SystemExit(main())

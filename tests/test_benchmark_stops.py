@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -59,30 +61,34 @@ def descendants(pid: int) -> dict[int, Proc]:
     return found
 
 
-def still_running(below: dict[int, Proc], mention: str) -> dict[int, Proc]:
+def still_running(below: dict[int, Proc], mentions: list[str]) -> dict[int, Proc]:
     """Of the processes `below` a benchmark (when it was stopped), those still running, and
-    any other process whose command line mentions `mention` (a child started later)."""
+    any other process whose command line mentions one of `mentions` (a child started later)."""
     now = {pid: p for pid, p in processes().items() if not p.zombie and pid != os.getpid()}
     return {
         pid: p
         for pid, p in now.items()
-        if (pid in below and below[pid].started == p.started) or mention in p.cmdline
+        if (pid in below and below[pid].started == p.started)
+        or any(m in p.cmdline for m in mentions)
     }
 
 
 Ready = Callable[[subprocess.Popen], bool]
+SETTLE_S = 30.0
+"""How long processes below a benchmark may take to exit after it did: Ray's agents leave
+by themselves a few seconds after their driver."""
 
 
 def stop_when(
-    argv: list[str], scratch: Path, ready: Ready, timeout: float
+    argv: list[str], scratch: Path, ready: Ready, timeout: float, log: Path
 ) -> tuple[int, str, dict[int, Proc]]:
     """Run `argv` with `scratch` as its temporary root, SIGTERM it once `ready(proc)`, and
     return its exit status, its output and the processes still running after it ended that
-    were below it when it was stopped or that mention the test's directory (all killed)."""
+    were below it when it was stopped or that mention `scratch` or `log`'s directory (all
+    killed). Its output goes to `log`."""
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
     # the `agentree` command on the PATH, as in an activated environment
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    log = scratch.parent / "output.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     below: dict[int, Proc] = {}
@@ -100,7 +106,10 @@ def stop_when(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        left = still_running(below, str(scratch.parent))
+        mentions = [str(scratch), str(log.parent)]
+        settle = time.monotonic() + SETTLE_S
+        while (left := still_running(below, mentions)) and time.monotonic() < settle:
+            time.sleep(0.5)
         for pid in left:  # whatever the benchmark left, so that nothing outlives the test
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -128,6 +137,9 @@ def swe_tasks(tmp: Path) -> str:
     return str(prefix)
 
 
+KEPT_ON_PURPOSE = {"torchinductor_root", "ray"}
+"""What libraries keep in the temporary root after a clean run too: torch's compiler cache,
+Ray's session logs."""
 TINY = ["--set", "policy.path=tiny"]
 # benchmark -> (its arguments, from tmp_path; when to stop it, from its temporary root)
 CASES: dict[str, tuple[Callable[[Path], list[str]], Callable[[Path], Ready]]] = {
@@ -166,6 +178,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], Callable[[Path], Ready]]] = 
         lambda t: ["--tasks", swe_tasks(t) + ".jsonl", "--policy", "tiny"],
         lambda s: child("agentree", "eval"),
     ),
+    "serve_load": (
+        lambda t: ["--levels", "1", "--requests", "2"],
+        lambda s: child("agentree", "serve"),
+    ),
+    "ray_rollout": (  # stopped by Ray's own SIGTERM handling once `ray.init` ran
+        lambda t: ["--envs", "frozenlake", "--tasks", "2", "--rounds", "1", "--workers", "1"],
+        lambda s: child("raylet"),
+    ),
     "swe_learning": (
         lambda t: [
             *("--tasks", swe_tasks(t), "--policy", "tiny", "--rollouts", "grpo"),
@@ -183,16 +203,20 @@ def test_a_killed_benchmark_leaves_nothing(name: str, tmp_path: Path) -> None:
     it unwinds (it is not killed by the signal), its children stop, and its temporary root
     is empty. Before, each died where it stood and left both behind."""
     args, ready = CASES[name]
-    scratch = tmp_path / "scratch"  # the benchmark's temporary root: nothing else writes there
-    scratch.mkdir()
-    argv = [sys.executable, str(BENCH / f"{name}.py"), *args(tmp_path)]
-    code, output, left = stop_when(argv, scratch, ready(scratch), timeout=300)
-    assert code not in (-signal.SIGTERM, -signal.SIGKILL), output
-    running = [p.cmdline for p in left.values()]
-    assert not running, f"still running: {running}\n{output}"
-    # torch keeps its compiler cache in the temporary root on purpose, run or stopped
-    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
-    assert not left, f"left behind in the temporary root: {left}\n{output}"
+    # the benchmark's temporary root, where nothing else writes; short, as Ray's socket paths
+    # under it must stay within 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="bs", dir="/tmp"))
+    try:
+        argv = [sys.executable, str(BENCH / f"{name}.py"), *args(tmp_path)]
+        log = tmp_path / "output.log"
+        code, output, left = stop_when(argv, scratch, ready(scratch), 300, log)
+        assert code not in (-signal.SIGTERM, -signal.SIGKILL), output
+        running = [p.cmdline for p in left.values()]
+        assert not running, f"still running: {running}\n{output}"
+        kept = [p.name for p in scratch.iterdir() if p.name not in KEPT_ON_PURPOSE]
+        assert not kept, f"left behind in the temporary root: {kept}\n{output}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # -- run_child / stop_children on real processes ---------------------------------------------
