@@ -215,6 +215,27 @@ def test_the_check_processes_end_with_their_parent(tmp_path: Path) -> None:
         time.sleep(0.1)
 
 
+def test_a_forked_child_checks_with_its_own_workers() -> None:
+    """A child forked after checks ran does not write into its parent's workers' pipes (their
+    answers would cross): it starts its own, and the parent's still answer."""
+    code = (
+        "import os\n"
+        "from agentree.envs import cas; from agentree.envs.math import answers_match\n"
+        "assert answers_match('0.5', '\\\\frac12') == (True, 'math_verify')\n"
+        "mine = {w.proc.pid for w in cas._all}\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    ok = answers_match('\\\\sqrt{4}', '2') == (True, 'math_verify')\n"
+        "    ok = ok and not mine & {w.proc.pid for w in cas._all}\n"
+        "    cas.close()\n"
+        "    os._exit(0 if ok else 1)\n"
+        "assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0\n"
+        "assert answers_match('\\\\sqrt{9}', '3') == (True, 'math_verify')\n"
+        "assert {w.proc.pid for w in cas._all} == mine\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (an orphan that exited is reaped by init; a zombie counts as gone)."""
     try:

@@ -13,7 +13,7 @@ beyond what load alone stretches a check to; the next check starts a fresh proce
 The processes are started on first use, `WORKERS` at most (one per check in flight). They run
 in their own session (Ctrl-C at a terminal does not end one mid-check), read their requests on
 stdin and exit when it closes, so they end with the process that started them however it ends;
-`close()`, also called at exit, ends them at once.
+`close()`, also called at exit, ends them at once. A forked child starts its own.
 """
 
 from __future__ import annotations
@@ -141,7 +141,16 @@ def _take() -> _Worker:
     return worker
 
 
+def _after_fork() -> None:
+    """A forked child shares its parent's workers' pipes: it starts its own instead."""
+    global _lock, _slots
+    _lock, _slots = threading.Lock(), threading.BoundedSemaphore(WORKERS)
+    _all.clear()
+    _idle.clear()
+
+
 atexit.register(close)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _serve() -> None:
