@@ -113,6 +113,9 @@ def stop_when(
         for pid in left:  # whatever the benchmark left, so that nothing outlives the test
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        gone = time.monotonic() + 10  # and gone before the test removes their directories
+        while still_running(left, []) and time.monotonic() < gone:
+            time.sleep(0.1)
     return code, log.read_text(), left
 
 
