@@ -5,7 +5,6 @@ real processes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -17,106 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
+from helpers import BENCHMARKS, Ready, descendants, printed, stop_when
 
 from agentree.signals import interrupt_on_sigterm, run_child, stop_children
-
-ROOT = Path(__file__).parents[1]
-BENCH = ROOT / "benchmarks"
-
-
-class Proc(NamedTuple):
-    ppid: int
-    started: int  # clock ticks after boot: with the pid, names one process (pids are reused)
-    zombie: bool
-    cmdline: str
-
-
-def processes() -> dict[int, Proc]:
-    """Every process on the machine, from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:  # the command name (field 2) may hold spaces: the fields after its ")" are fixed
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found[int(entry.name)] = Proc(int(fields[1]), int(fields[19]), fields[0] == "Z", cmd)
-    return found
-
-
-def descendants(pid: int) -> dict[int, Proc]:
-    """The processes below `pid`: its children, their children, ..."""
-    table, found, frontier = processes(), {}, [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, proc in table.items():
-            if proc.ppid == p and child not in found:
-                found[child] = proc
-                frontier.append(child)
-    return found
-
-
-def still_running(below: dict[int, Proc], mentions: list[str]) -> dict[int, Proc]:
-    """Of the processes `below` a benchmark (when it was stopped), those still running, and
-    any other process whose command line mentions one of `mentions` (a child started later)."""
-    now = {pid: p for pid, p in processes().items() if not p.zombie and pid != os.getpid()}
-    return {
-        pid: p
-        for pid, p in now.items()
-        if (pid in below and below[pid].started == p.started)
-        or any(m in p.cmdline for m in mentions)
-    }
-
-
-Ready = Callable[[subprocess.Popen], bool]
-SETTLE_S = 30.0
-"""How long processes below a benchmark may take to exit after it did: Ray's agents leave
-by themselves a few seconds after their driver."""
-
-
-def stop_when(
-    argv: list[str], scratch: Path, ready: Ready, timeout: float, log: Path
-) -> tuple[int, str, dict[int, Proc]]:
-    """Run `argv` with `scratch` as its temporary root, SIGTERM it once `ready(proc)`, and
-    return its exit status, its output and the processes still running after it ended that
-    were below it when it was stopped or that mention `scratch` or `log`'s directory (all
-    killed). Its output goes to `log`."""
-    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
-    # the `agentree` command on the PATH, as in an activated environment
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    below: dict[int, Proc] = {}
-    left: dict[int, Proc] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while not ready(proc):
-            assert proc.poll() is None, f"ended before it was stopped:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"never got going:\n{log.read_text()}"
-            time.sleep(0.1)
-        below = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        mentions = [str(scratch), str(log.parent)]
-        settle = time.monotonic() + SETTLE_S
-        while (left := still_running(below, mentions)) and time.monotonic() < settle:
-            time.sleep(0.5)
-        for pid in left:  # whatever the benchmark left, so that nothing outlives the test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        gone = time.monotonic() + 10  # and gone before the test removes their directories
-        while still_running(left, []) and time.monotonic() < gone:
-            time.sleep(0.1)
-    return code, log.read_text(), left
 
 
 def temp_dir(prefix: str, scratch: Path) -> Ready:
@@ -144,57 +48,60 @@ KEPT_ON_PURPOSE = {"torchinductor_root", "ray"}
 """What libraries keep in the temporary root after a clean run too: torch's compiler cache,
 Ray's session logs."""
 TINY = ["--set", "policy.path=tiny"]
-# benchmark -> (its arguments, from tmp_path; when to stop it, from its temporary root)
-CASES: dict[str, tuple[Callable[[Path], list[str]], Callable[[Path], Ready]]] = {
+# benchmark -> (its arguments, from tmp_path; when to stop it, from its temporary root and
+# its output)
+CASES: dict[str, tuple[Callable[[Path], list[str]], Callable[[Path, Path], Ready]]] = {
     "step_walk": (
         lambda t: [*TINY, "--set", "train.steps=1"],
-        lambda s: temp_dir("agentree-walk-", s),
+        lambda s, _log: temp_dir("agentree-walk-", s),
     ),
     "gpu_check": (
         lambda t: ["--device", "cpu", "--out", str(t / "gpu.json")],
-        lambda s: temp_dir("agentree-gpu-check-", s),
+        lambda s, _log: temp_dir("agentree-gpu-check-", s),
     ),
     "async_steps": (
         lambda t: ["--steps", "1", "--backend", "local", *TINY],
-        lambda s: child("agentree", "train"),
+        lambda s, _log: child("agentree", "train"),
     ),
     "frozenlake_learning": (
         lambda t: ["--seeds", "0", *TINY, "--set", "train.steps=1"],
-        lambda s: child("agentree", "train"),
+        lambda s, _log: child("agentree", "train"),
     ),
     "train_memory": (
         lambda t: ["--models", "tiny", "--ranks", "2", "--lora", "0"],
-        lambda s: child("multiprocessing"),
+        lambda s, _log: child("multiprocessing"),
     ),
     "learning_efficiency": (  # its calibration's rollouts
         lambda t: ["--case", "frozenlake", "--calibrate", "2", "--out", str(t / "runs")],
-        lambda s: child("agentree", "rollout"),
+        lambda s, _log: child("agentree", "rollout"),
     ),
     "real_model": (
         lambda t: [
             *("--policy", "tiny", "--only", "zero-shot", "--envs", "frozenlake"),
             *("--out", str(t / "real_model.json")),
         ],
-        lambda s: child("agentree", "eval"),
+        lambda s, _log: child("agentree", "eval"),
     ),
     "swe_warm_policy": (
         lambda t: ["--tasks", swe_tasks(t) + ".jsonl", "--policy", "tiny"],
-        lambda s: child("agentree", "eval"),
+        lambda s, _log: child("agentree", "eval"),
     ),
     "serve_load": (
         lambda t: ["--levels", "1", "--requests", "2"],
-        lambda s: child("agentree", "serve"),
+        lambda s, _log: child("agentree", "serve"),
     ),
-    "ray_rollout": (  # stopped by Ray's own SIGTERM handling once `ray.init` ran
+    # stopped by Ray's own SIGTERM handling once `ray.init` returned (stopped inside it, the
+    # driver exits at once and Ray's agents leave by themselves about a minute later)
+    "ray_rollout": (
         lambda t: ["--envs", "frozenlake", "--tasks", "2", "--rounds", "1", "--workers", "1"],
-        lambda s: child("raylet"),
+        lambda s, log: printed(log, "# private Ray instance started"),
     ),
     "swe_learning": (
         lambda t: [
             *("--tasks", swe_tasks(t), "--policy", "tiny", "--rollouts", "grpo"),
             *("--seeds", "0", "--steps", "1"),
         ],
-        lambda s: child("agentree", "train"),
+        lambda s, _log: child("agentree", "train"),
     ),
 }
 
@@ -210,9 +117,9 @@ def test_a_killed_benchmark_leaves_nothing(name: str, tmp_path: Path) -> None:
     # under it must stay within 107 bytes
     scratch = Path(tempfile.mkdtemp(prefix="bs", dir="/tmp"))
     try:
-        argv = [sys.executable, str(BENCH / f"{name}.py"), *args(tmp_path)]
+        argv = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args(tmp_path)]
         log = tmp_path / "output.log"
-        code, output, left = stop_when(argv, scratch, ready(scratch), 300, log)
+        code, output, left = stop_when(argv, scratch, ready(scratch, log), 300, log)
         assert code not in (-signal.SIGTERM, -signal.SIGKILL), output
         running = [p.cmdline for p in left.values()]
         assert not running, f"still running: {running}\n{output}"

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_benchmark
+from helpers import load_benchmark, printed, stop_when
 from small_policy import WARM_2_LAYERS
 
 from agentree.config import load_config
@@ -216,30 +212,6 @@ def test_a_run_directory_is_measured_and_left_as_it_was(
     assert sorted(p.name for p in run.iterdir()) == before
 
 
-def sigterm_on(argv: list[str], scratch: Path, prefix: str) -> tuple[int, str]:
-    """Run the command with `scratch` as its temporary root, send SIGTERM at the first line of
-    its output starting with `prefix`, and return its exit status and its whole output. A
-    watchdog kills a hung command, so the test fails instead of hanging."""
-    env = {**os.environ, "TMPDIR": str(scratch)}
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    seen: list[str] = []
-    assert proc.stdout is not None
-    watchdog = threading.Timer(600, proc.kill)
-    watchdog.start()
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith(prefix):
-                proc.send_signal(signal.SIGTERM)
-                break
-        rest = proc.communicate(timeout=120)[0]
-    finally:
-        watchdog.cancel()
-    return proc.returncode, "".join(seen) + rest
-
-
 @pytest.mark.slow
 def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Path):
     """SIGTERM after two batches of twenty: the command summarises the batches it measured
@@ -254,7 +226,8 @@ def test_a_stopped_measurement_keeps_its_batches_and_leaves_nothing(tmp_path: Pa
     out = tmp_path / "noise.json"
     script = Path(__file__).parents[1] / "benchmarks" / "gradient_noise.py"
     argv = [sys.executable, "-u", str(script), str(run), "--batches", "20", "--out", str(out)]
-    code, output = sigterm_on(argv, scratch, "batch 2/20")  # its own progress lines
+    log = tmp_path / "output.log"
+    code, output, _ = stop_when(argv, scratch, printed(log, "batch 2/20"), 600, log)  # its lines
     assert code == 130, output
     assert "stopped by SIGTERM after" in output
     result = json.loads(out.read_text())
@@ -276,7 +249,8 @@ def test_a_stop_while_the_trainer_is_built_leaves_nothing(tmp_path: Path):
     argv = [sys.executable, "-u", str(script), "frozenlake_patr", "--rollout", "grpo"]
     argv += [x for item in SMALL for x in ("--set", item)]
     argv += ["--batches", "20", "--out", str(out)]
-    code, output = sigterm_on(argv, scratch, "policy weights:")  # the trainer's log, as it builds
+    log = tmp_path / "output.log"  # the trainer's log, as it builds
+    code, output, _ = stop_when(argv, scratch, printed(log, "policy weights:"), 600, log)
     assert code == 130, output
     assert "before two batches were measured: nothing written" in output
     assert not out.exists()

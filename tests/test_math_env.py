@@ -15,6 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from helpers import processes
 
 import agentree.envs.math as math_env
 from agentree.envs import cas, check_env, make_env
@@ -210,7 +211,7 @@ def test_the_check_processes_end_with_their_parent(tmp_path: Path) -> None:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 30
-    while any(alive(p) for p in pids):
+    while set(pids) & {pid for pid, p in processes().items() if not p.zombie}:
         assert time.monotonic() < deadline, f"worker processes {pids} outlived their parent"
         time.sleep(0.1)
 
@@ -234,14 +235,6 @@ def test_a_forked_child_checks_with_its_own_workers() -> None:
         "assert {w.proc.pid for w in cas._all} == mine\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (an orphan that exited is reaped by init; a zombie counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_missing_math_verify_falls_back_with_one_warning(monkeypatch) -> None:
