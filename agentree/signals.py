@@ -14,6 +14,8 @@ any other thread each of these does nothing.
   what the Docker sandboxes install so that their containers are removed.
 - `run_child`, `stop_children`: child commands run so that a stop of this process stops them
   too: each gets one SIGTERM and time to checkpoint or remove its containers before a SIGKILL.
+  `Children`: the same for children that worker threads run (a benchmark's runs on a thread
+  pool), stopped together from the main thread.
 - `cpu_time_limit`: SIGPROF raises `CPUTimeExceeded` once a block has used its CPU seconds; what
   the math env's equivalence check runs under, so that its verdict does not depend on how
   loaded the machine is.
@@ -126,6 +128,15 @@ def run_child(
     it from another thread); with `check`, a nonzero status raises `CalledProcessError`;
     `popen` goes to `subprocess.Popen`."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    return _wait_child(proc, check, grace_s, started)
+
+
+def _wait_child(
+    proc: subprocess.Popen,
+    check: bool,
+    grace_s: float,
+    started: Callable[[subprocess.Popen], Any] | None,
+) -> int:
     try:
         if started is not None:
             started(proc)
@@ -134,20 +145,23 @@ def run_child(
         stop_children([proc], grace_s)
         raise
     if check and code:
-        raise subprocess.CalledProcessError(code, cmd)
+        raise subprocess.CalledProcessError(code, proc.args)
     return code
 
 
-def stop_children(procs: Iterable[subprocess.Popen], grace_s: float = 120.0) -> None:
+def stop_children(
+    procs: Iterable[subprocess.Popen], grace_s: float = 120.0
+) -> list[subprocess.Popen]:
     """Stop child processes: each still running gets one SIGTERM and, together, `grace_s`
     seconds to act on it (an `agentree` command checkpoints, removes its containers and its
     temporary directories); those still running after it, or all at once if this is itself
-    interrupted, are killed."""
+    interrupted, are killed. Returns the ones killed."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
         with contextlib.suppress(ProcessLookupError):
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
+    killed = []
     try:
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -157,6 +171,56 @@ def stop_children(procs: Iterable[subprocess.Popen], grace_s: float = 120.0) -> 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+                killed.append(p)
+    return killed
+
+
+class Stopping(RuntimeError):
+    """`Children.run` after `Children.stop`: a stopping program starts no new child."""
+
+
+class Children:
+    """Child commands that worker threads run and the main thread stops: a benchmark's runs on
+    a thread pool, which a stop of the benchmark must stop (they run in their own sessions, so
+    Ctrl-C reaches them only this way) and wait for, so that a resumed benchmark never starts a
+    run whose old process still writes to it. `run` is `run_child`, with the child registered
+    while it runs; `stop` stops the registered ones as `stop_children` does, and from then on
+    `run` raises `Stopping` instead of starting one. Call `stop` from a thread that runs no
+    child (the main thread): each child is started under the lock that `stop` takes."""
+
+    def __init__(self) -> None:
+        self._live: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def run(
+        self,
+        cmd: list[str],
+        *,
+        check: bool = False,
+        grace_s: float = 120.0,
+        started: Callable[[subprocess.Popen], Any] | None = None,
+        **popen: Any,
+    ) -> int:
+        """As `run_child`; raises `Stopping` once `stop` was called."""
+        with self._lock:
+            if self._stopping:
+                raise Stopping(f"stopping: {cmd[:4]} not started")
+            proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+            self._live.append(proc)
+        try:
+            return _wait_child(proc, check, grace_s, started)
+        finally:
+            with self._lock:
+                self._live.remove(proc)
+
+    def stop(self, grace_s: float = 120.0) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
+        """Stop every child still running (one SIGTERM each, one grace together, then SIGKILL)
+        and start no more; returns those that were running and those killed."""
+        with self._lock:
+            self._stopping = True
+            live = [p for p in self._live if p.poll() is None]
+        return live, stop_children(live, grace_s)
 
 
 class CPUTimeExceeded(BaseException):

@@ -80,7 +80,6 @@ with the per-seed curves and the walker's figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -90,11 +89,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agentree.signals import Children
 
 
 def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
@@ -224,9 +224,7 @@ def calibrate(case: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
             cmd += ["--set", item]
         cmd += ["--policy", "tiny-warm", "--tasks", str(args.calibrate), "--output", str(rollouts)]
         print(f"[{time.strftime('%H:%M:%S')}] {case} calibration: {name}", flush=True)
-        with _live(cmd, rollouts, stdout=subprocess.DEVNULL) as proc:
-            if proc.wait() != 0:
-                raise subprocess.CalledProcessError(proc.returncode, cmd)
+        RUNS.run(cmd, check=True, stdout=subprocess.DEVNULL)
         stats[name] = json.loads((rollouts / "rollout_stats.json").read_text())
         shutil.rmtree(rollouts)
     sizing = {
@@ -277,22 +275,29 @@ def run_one(case: str, method: str, seed: int, out: Path, args: argparse.Namespa
         env["OMP_NUM_THREADS"] = "1"
     run.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{time.strftime('%H:%M:%S')}] {case} {method} seed {seed}", flush=True)
-    prefix = f"{method} seed {seed}: " if args.jobs > 1 else ""
+    run_train(cmd, run, f"{method} seed {seed}: " if args.jobs > 1 else "", env)
+    return run
 
-    def copy_output(proc: subprocess.Popen) -> threading.Thread:
+
+def run_train(cmd: list[str], run: Path, prefix: str, env: dict[str, str]) -> None:
+    """`cmd` (an `agentree train` into `run`) to the end, as a child that a stopping benchmark
+    stops and waits for (`stop_runs`), its output copied to `run`'s log and here (`echo`)."""
+    mine: list[subprocess.Popen] = []
+
+    def copy_output(proc: subprocess.Popen) -> None:
         copier = threading.Thread(
             target=echo, args=(proc, run.with_suffix(".log"), prefix), daemon=True
         )
+        _ECHO[proc] = (run, copier)
+        mine.append(proc)
         copier.start()
-        return copier
 
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    with _live(cmd, run, copy_output, env=env, errors="replace", **popen) as proc:
-        rc = proc.wait()
-        _ECHO[proc].join()
-    if rc != 0:
-        raise subprocess.CalledProcessError(rc, cmd)
-    return run
+    try:
+        RUNS.run(cmd, check=True, started=copy_output, env=env, errors="replace", **popen)
+    finally:
+        for proc in mine:  # kept in `_ECHO`: a stop names the runs it killed from there
+            _ECHO[proc][1].join()
 
 
 def echo(proc: subprocess.Popen, log_path: Path, prefix: str) -> None:
@@ -306,61 +311,28 @@ def echo(proc: subprocess.Popen, log_path: Path, prefix: str) -> None:
             sys.stdout.flush()
 
 
-# The runs in flight. A benchmark stopped by Ctrl-C or SIGTERM stops them and waits for them to
-# exit, so that a resumed benchmark never restarts a run whose old process still writes to it.
-_LIVE: dict[subprocess.Popen, Path] = {}
-_ECHO: dict[subprocess.Popen, threading.Thread] = {}  # each run's copier (`echo`)
-_LIVE_LOCK = threading.Lock()
-_STOPPING = threading.Event()
+RUNS = Children()
+"""The runs and calibrations in flight, started on pool threads. A benchmark stopped by Ctrl-C
+or SIGTERM stops them and waits for them to exit (`stop_runs`), so that a resumed benchmark
+never restarts a run whose old process still writes to it."""
+_ECHO: dict[subprocess.Popen, tuple[Path, threading.Thread]] = {}  # each run's directory, copier
 STOP_GRACE_S = 120
 """How long a stopped run may take to checkpoint. A run honours SIGTERM within seconds unless
 it is inside an optimiser step or a checkpoint write; one still running after this is killed."""
 
 
-@contextlib.contextmanager
-def _live(
-    cmd: list[str],
-    where: Path,
-    copy_output: Callable[[subprocess.Popen], threading.Thread] | None = None,
-    **popen: Any,
-) -> Iterator[subprocess.Popen]:
-    """`cmd` (writing into `where`) started as a child that a stopping benchmark stops and
-    waits for (`stop_runs`); started under the lock, so a stopping benchmark starts none.
-    `copy_output` starts the thread that copies its output, joined before the benchmark exits."""
-    with _LIVE_LOCK:
-        if _STOPPING.is_set():
-            raise RuntimeError("the benchmark is stopping")
-        proc = subprocess.Popen(cmd, **popen)
-        _LIVE[proc] = where
-        if copy_output is not None:
-            _ECHO[proc] = copy_output(proc)
-    try:
-        with proc:
-            yield proc
-    finally:
-        with _LIVE_LOCK:
-            _LIVE.pop(proc, None)
-            _ECHO.pop(proc, None)
-
-
 def stop_runs(signum: int, _frame: Any) -> None:
-    with _LIVE_LOCK:
-        _STOPPING.set()
-        live = dict(_LIVE)
-    for proc in live:
-        proc.send_signal(signal.SIGTERM)
-    for proc, run in live.items():
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            print(
-                f"{run} did not checkpoint within {STOP_GRACE_S} s of SIGTERM and was killed; "
-                f"it resumes from its last checkpoint (see {run.with_suffix('.log')})",
-                flush=True,
-            )
-    for thread in list(_ECHO.values()):  # the runs' last lines (where each stopped) into their logs
+    """The benchmark's Ctrl-C and SIGTERM: stop the runs, each allowed `STOP_GRACE_S` to
+    checkpoint, and exit; the same command resumes them."""
+    live, killed = RUNS.stop(STOP_GRACE_S)
+    for proc in killed:
+        run = _ECHO[proc][0] if proc in _ECHO else Path(proc.args[-1])
+        print(
+            f"{run} did not checkpoint within {STOP_GRACE_S} s of SIGTERM and was killed; "
+            f"it resumes from its last checkpoint (see {run.with_suffix('.log')})",
+            flush=True,
+        )
+    for _run, thread in list(_ECHO.values()):  # the runs' last lines (where each stopped)
         thread.join(timeout=5)
     print(f"stopped {len(live)} run(s); run the same command again to resume", flush=True)
     os._exit(128 + signum)

@@ -30,7 +30,6 @@ import ast
 import contextlib
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from agentree.signals import interrupt_on_sigterm, run_child, stop_children
+from agentree.signals import Children, interrupt_on_sigterm
 
 ROLLOUT_SETS = {
     # PATR: B0 branches, advance K turns, expand top_k by M children each (forking containers)
@@ -50,10 +49,8 @@ ROLLOUT_SETS = {
 }
 
 
-_CHILDREN: list[subprocess.Popen] = []
+_RUNS = Children()
 """The runs' `agentree train` processes, started on the pool's threads."""
-_STOPPING = threading.Event()
-_LOCK = threading.Lock()
 
 
 def _watch_containers(pid: int, stop: threading.Event, peak: list[int]) -> None:
@@ -109,15 +106,11 @@ def _finish(rollout: str, seed: int, out: Path, cmd: list[str], *, resume: bool)
     t0 = time.perf_counter()
 
     def watch(proc: subprocess.Popen) -> None:
-        with _LOCK:  # the main thread stops it if the benchmark is stopped
-            _CHILDREN.append(proc)
-            if _STOPPING.is_set():  # started just as the benchmark stopped
-                proc.send_signal(signal.SIGTERM)
         args = (proc.pid, stop, peak)
         threading.Thread(target=_watch_containers, args=args, daemon=True).start()
 
     try:
-        rc = run_child(cmd, started=watch)
+        rc = _RUNS.run(cmd, started=watch)  # the main thread stops it if the benchmark stops
     finally:
         stop.set()
     wall = time.perf_counter() - t0
@@ -222,10 +215,7 @@ def main() -> None:
                 results = [f.result() for f in futures]
             except BaseException:  # Ctrl-C or `kill`: the runs checkpoint before the pool ends
                 pool.shutdown(wait=False, cancel_futures=True)  # no run starts after this
-                with _LOCK:
-                    _STOPPING.set()
-                    live = list(_CHILDREN)
-                stop_children(live)
+                _RUNS.stop()
                 raise
     head = f"{'rollout':>7} {'seed':>4} {'wall':>6} {'env steps':>9} {'forks':>5} {'scorer':>6}"
     head += f" {'rewarded':>8} {'updates':>7} {'sandbox/step':>12} {'containers':>10}"

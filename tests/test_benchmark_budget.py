@@ -275,7 +275,7 @@ def test_a_run_that_does_not_stop_in_time_is_killed_and_named(tmp_path):
     """The benchmark's stop handler on a run that ignores SIGTERM: after the grace period the
     run is killed, the benchmark says which run and where its log is, and exits 128 + 15."""
     script = f"""
-import importlib.util, signal, subprocess, sys
+import importlib.util, signal, sys, threading, time
 from pathlib import Path
 spec = importlib.util.spec_from_file_location("le", {str(PATH)!r})
 le = importlib.util.module_from_spec(spec)
@@ -284,9 +284,11 @@ spec.loader.exec_module(le)
 le.STOP_GRACE_S = 1
 deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True)"
 deaf += "; time.sleep(60)"
-run = subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE)
-run.stdout.readline()  # SIGTERM is ignored from here
-le._LIVE[run] = Path({str(tmp_path / "seed0")!r})
+run = Path({str(tmp_path / "seed0")!r})
+args = ([sys.executable, "-c", deaf], run, "", {{}})
+threading.Thread(target=le.run_train, args=args, daemon=True).start()
+while not (run.with_suffix(".log").exists() and run.with_suffix(".log").read_text()):
+    time.sleep(0.05)  # SIGTERM is ignored from here
 le.stop_runs(signal.SIGTERM, None)
 """
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """A benchmark stopped by `kill` (SIGTERM) leaves nothing behind: no temporary directory and
 no child process (`agentree` commands, rank processes), as Ctrl-C leaves nothing; and
-`agentree.signals.run_child` / `stop_children`, through which they stop their children, on
-real processes."""
+`agentree.signals.run_child` / `stop_children` / `Children`, through which they stop their
+children, on real processes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import BENCHMARKS, Ready, descendants, printed, stop_when
 
-from agentree.signals import interrupt_on_sigterm, run_child, stop_children
+from agentree.signals import Children, Stopping, interrupt_on_sigterm, run_child, stop_children
 
 
 def temp_dir(prefix: str, scratch: Path) -> Ready:
@@ -222,3 +222,34 @@ def test_stop_children_gives_them_one_grace_together(tmp_path: Path) -> None:
     stop_children(procs, grace_s=30.0)
     assert [p.returncode for p in procs] == [0, 0]
     assert time.monotonic() - t0 < 8.5
+
+
+def test_children_run_on_threads_are_stopped_together_and_no_more_start(tmp_path: Path) -> None:
+    """Two children run from worker threads, one of which ignores its SIGTERM: `stop` from the
+    main thread sends each one SIGTERM, kills the deaf one after the grace and says which; the
+    threads' `run` return; a `run` after the stop starts nothing."""
+    done = tmp_path / "cleaned"
+    (tmp_path / "polite").mkdir(), (tmp_path / "deaf").mkdir()
+    polite = child_script(tmp_path / "polite", f"pathlib.Path({str(done)!r}).touch()")
+    deaf = child_script(tmp_path / "deaf", "time.sleep(600)")
+    children = Children()
+    codes: list[int] = []
+    procs: list[subprocess.Popen] = []
+    threads = [
+        threading.Thread(target=lambda c=cmd: codes.append(children.run(c, started=procs.append)))
+        for cmd in (polite, deaf)
+    ]
+    for t in threads:
+        t.start()
+    until_started(tmp_path / "polite"), until_started(tmp_path / "deaf")
+    t0 = time.monotonic()
+    live, killed = children.stop(grace_s=2.0)
+    assert 2.0 <= time.monotonic() - t0 < 30
+    for t in threads:
+        t.join(timeout=30)
+    assert set(live) == set(procs) and done.exists()
+    assert [p.args for p in killed] == [deaf]
+    assert sorted(codes) == [-signal.SIGKILL, 0]
+    with pytest.raises(Stopping):
+        children.run(polite)
+    assert len(list((tmp_path / "polite").glob("started.*"))) == 1  # the refused one never ran
