@@ -3,15 +3,16 @@ blocks and atexit (checkpoints kept, partial builds and containers removed) inst
 the process where it stands. Signal handlers can only be installed from the main thread; from
 any other thread each of these does nothing.
 
-- `StopSignals`: a training run's. SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send
-  before killing a job) both raise `KeyboardInterrupt`, so the trainer checkpoints either way.
+- `StopSignals`: a training run's. SIGINT (Ctrl-C), SIGTERM (what Slurm and Kubernetes send
+  before killing a job) and SIGHUP (the terminal closed, an ssh session dropped; left alone under
+  `nohup`, see `with_hangup`) raise `KeyboardInterrupt`, so the trainer checkpoints either way.
   From a step's first optimiser step to the end of the step the signal is held: a checkpoint
   then never holds weights that are half-way through an update. Before it (the rollout, the
   log-probs and gradients of a single-process update) the stop is honoured at once.
-- `interrupt_on_sigterm`: SIGTERM raises `KeyboardInterrupt` while a build or a fine-tune runs,
-  so `kill` cleans up or keeps what Ctrl-C does.
-- `exit_on_sigterm`: SIGTERM raises `SystemExit` (so atexit runs) where nobody else handles it;
-  what the Docker sandboxes install so that their containers are removed.
+- `interrupt_on_sigterm`: SIGTERM (and SIGHUP) raises `KeyboardInterrupt` while a build or a
+  fine-tune runs, so `kill` or a closed terminal cleans up or keeps what Ctrl-C does.
+- `exit_on_sigterm`: SIGTERM (and SIGHUP) raises `SystemExit` (so atexit runs) where nobody else
+  handles it; what the Docker sandboxes install so that their containers are removed.
 - `run_child`, `stop_children`: child commands run so that a stop of this process stops them
   too: each gets one SIGTERM and time to checkpoint or remove its containers before a SIGKILL.
   `Children`: the same for children that worker threads run (a benchmark's runs on a thread
@@ -36,8 +37,19 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def with_hangup(*signals: int) -> tuple[int, ...]:
+    """`signals`, and SIGHUP where it would kill this process outright: the signal a closed
+    terminal or a dropped ssh session sends, which stops a run as Ctrl-C does. Where SIGHUP is
+    ignored (a command started with `nohup`) or handled by someone else, it is left as it is:
+    the user asked for the command to outlive its terminal."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        return (*signals, signal.SIGHUP)
+    return signals
+
+
 class StopSignals:
-    """Turns SIGINT/SIGTERM into `KeyboardInterrupt`, held between `hold()` and `release()`."""
+    """Turns SIGINT/SIGTERM (and SIGHUP, `with_hangup`) into `KeyboardInterrupt`, held between
+    `hold()` and `release()`."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -47,10 +59,11 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        """Take over SIGINT/SIGTERM until `uninstall()`; only the main thread can."""
+        """Take over SIGINT/SIGTERM (and SIGHUP) until `uninstall()`; only the main thread
+        can."""
         if not _main_thread():
             return
-        for sig in self.SIGNALS:
+        for sig in with_hangup(*self.SIGNALS):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
@@ -78,9 +91,9 @@ class StopSignals:
 
 @contextlib.contextmanager
 def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while a build or a fine-tune runs (main thread
-    only), so `kill` cleans up (a build's partial directory) or keeps (a fine-tune's resumable
-    state) what Ctrl-C does."""
+    """Turn SIGTERM (and SIGHUP, `with_hangup`) into KeyboardInterrupt while a build or a
+    fine-tune runs (main thread only), so `kill` or a closed terminal cleans up (a build's
+    partial directory) or keeps (a fine-tune's resumable state) what Ctrl-C does."""
     if not _main_thread():
         yield
         return
@@ -88,21 +101,24 @@ def interrupt_on_sigterm() -> Iterator[None]:
     def interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in with_hangup(signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def exit_on_sigterm() -> bool:
-    """Make SIGTERM raise `SystemExit` (exit status 128 + 15, atexit handlers run) unless a
-    handler is already installed; whether SIGTERM is handled now (False off the main thread)."""
+    """Make SIGTERM (and SIGHUP, `with_hangup`) raise `SystemExit` (exit status 128 + the
+    signal's number, atexit handlers run) unless a handler is already installed; whether
+    SIGTERM is handled now (False off the main thread)."""
     if not _main_thread():
         return False
     with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _exit)
+        for sig in with_hangup(signal.SIGTERM):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _exit)
         return True
     return False
 
@@ -120,13 +136,13 @@ def run_child(
     **popen: Any,
 ) -> int:
     """Run `cmd` to the end and return its exit status. If this process is stopped while it
-    waits (Ctrl-C, or SIGTERM under `interrupt_on_sigterm`), the child is stopped as
+    waits (Ctrl-C, or SIGTERM or SIGHUP under `interrupt_on_sigterm`), the child is stopped as
     `stop_children` does, then the stop goes on. The child runs in its own session, so Ctrl-C
-    at a terminal reaches it only this way, once (a second signal could cut its checkpoint
-    short); `subprocess.run` would SIGKILL it a quarter of a second after Ctrl-C and leave what
-    it holds behind. `started` is called with the process once it runs (to watch it, or to stop
-    it from another thread); with `check`, a nonzero status raises `CalledProcessError`;
-    `popen` goes to `subprocess.Popen`."""
+    or a closed terminal reaches it only this way, once (a second signal could cut its
+    checkpoint short); `subprocess.run` would SIGKILL it a quarter of a second after Ctrl-C
+    and leave what it holds behind. `started` is called with the process once it runs (to
+    watch it, or to stop it from another thread); with `check`, a nonzero status raises
+    `CalledProcessError`; `popen` goes to `subprocess.Popen`."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     return _wait_child(proc, check, grace_s, started)
 

@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentree.signals import Children
+from agentree.signals import Children, with_hangup
 
 
 def sized_methods(budget: float, turns: float) -> dict[str, list[str]]:
@@ -744,8 +744,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.budget_reserve:
         args.set.append("rollout.budget_reserve=true")
-    signal.signal(signal.SIGTERM, stop_runs)
-    signal.signal(signal.SIGINT, stop_runs)
+    for sig in with_hangup(signal.SIGINT, signal.SIGTERM):  # and a closed terminal
+        signal.signal(sig, stop_runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.sizing = {}

@@ -1,9 +1,9 @@
 """Kill a real `agentree train` process at several points of a step, then `--resume` it.
 
 The training process runs under a small launcher that pauses (sleeps) at one point of a step
-and drops a flag file; the test then sends SIGKILL or SIGTERM while the process sits there.
-Nothing is replaced: the rollout, the update and the checkpoint write all run for real, the
-pause only makes the moment of the kill deterministic.
+and drops a flag file; the test then sends SIGKILL, SIGTERM or SIGHUP while the process sits
+there. Nothing is replaced: the rollout, the update and the checkpoint write all run for real,
+the pause only makes the moment of the kill deterministic.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ ARGS = [
 
 LAUNCHER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as at a terminal, if the tests run under nohup
 
     import torch
 
@@ -173,6 +175,7 @@ CASES = [
     (signal.SIGTERM, "rollout", 2, 2),  # SIGTERM checkpoints like Ctrl-C
     (signal.SIGTERM, "update", 1, 2),  # the update finishes its step before the checkpoint
     (signal.SIGTERM, "save", 2, 2),  # the cut write is redone by the interrupt handler
+    (signal.SIGHUP, "rollout", 2, 2),  # a closed terminal checkpoints like Ctrl-C
 ]
 
 
@@ -187,10 +190,10 @@ def test_kill_and_resume(tmp_path, small_warm, capsys, sig, at, step, resume_fro
         assert rc == -signal.SIGKILL
     else:
         assert rc == 130, out
-        assert _flat(f"interrupted by SIGTERM at step {resume_from}") in out
+        assert _flat(f"interrupted by {signal.Signals(sig).name} at step {resume_from}") in out
         assert _flat(f"Continue with: agentree train --output {run} --resume") in out
     if at == "save":
-        assert (run / "checkpoints" / f".tmp_step_{step:06d}").exists() or sig == signal.SIGTERM
+        assert (run / "checkpoints" / f".tmp_step_{step:06d}").exists() or sig != signal.SIGKILL
     config_before = (run / "config.yaml").read_text()
 
     ckpt = latest_checkpoint(run)
