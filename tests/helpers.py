@@ -65,14 +65,16 @@ class ScriptedEngine:
 
 
 def interruptible() -> None:
-    """`preexec_fn` giving a child the Ctrl-C handling a terminal user has.
+    """`preexec_fn` giving a child the Ctrl-C and hang-up handling a terminal user has.
 
     A shell starts background jobs with SIGINT ignored and children inherit that, so a test
-    suite launched in the background (as CI may do) would otherwise send SIGINT into the void.
+    suite launched in the background (as CI may do) would otherwise send SIGINT into the void;
+    under `nohup` SIGHUP is ignored the same way.
     """
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -15,6 +15,7 @@ import pytest
 from helpers import interruptible
 
 from agentree.hub.store import build_once, cached_builds
+from agentree.policy import BUILT_POLICIES
 
 BUILD = textwrap.dedent(
     """
@@ -70,7 +71,7 @@ def test_a_second_process_waits_and_reuses_the_build(tmp_path: Path) -> None:
     assert _leftovers(tmp_path / "tiny") == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_an_interrupted_build_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
     target = tmp_path / "tiny" / "abc"
     proc = _start(target, 60.0, tmp_path)
@@ -124,7 +125,10 @@ def test_models_build_fills_the_cache_that_a_run_and_models_list_read(
     out, err = capsys.readouterr()
     assert Path(out.strip()) == path and "building" not in err
     assert main(["models", "list"]) == 0
-    assert f"tiny/{path.name}" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert f"tiny/{path.name}" in listed
+    # every name the policy resolver builds, from its own table
+    assert all(f"\n  {name} " in listed for name in BUILT_POLICIES), listed
 
 
 def test_a_build_records_the_sha256_of_its_weights(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Nothing is left behind: Ctrl-C, SIGTERM and exceptions mid-episode, and crashed runs."""
+"""Nothing is left behind: Ctrl-C, SIGTERM, a closed terminal and exceptions mid-episode, and
+crashed runs."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     [
         ("loop", signal.SIGINT, -signal.SIGINT),
         ("loop", signal.SIGTERM, 128 + signal.SIGTERM),
+        ("loop", signal.SIGHUP, 128 + signal.SIGHUP),  # the terminal closed
         ("raise", None, 1),
     ],
 )
