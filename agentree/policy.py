@@ -22,8 +22,16 @@ from agentree.hub.pretrained import local_policy
 from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import warm_policy_for_env
 
-BUILT_POLICIES = ("tiny", "tiny-warm", "warm")
-"""`policy.path` names agentree builds itself (cached); any other value is a checkpoint."""
+BUILT_POLICIES = {
+    "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
+    "the env's text; built per env in seconds",
+    "tiny-warm": "tiny fine-tuned on a noisy scripted expert of the env; built per env in about "
+    "3-4 min (one thread)",
+    "warm": "policy.warm.base (a pretrained model) fine-tuned on that expert; built per env and "
+    "base",
+}
+"""`policy.path` names agentree builds itself (cached), with what each is; any other value is
+a checkpoint."""
 
 
 def base_policy(cfg: ExperimentConfig) -> str:

