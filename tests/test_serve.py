@@ -263,8 +263,10 @@ def test_add_serve_command_registers_the_subcommand() -> None:
     assert callable(args.func)
 
 
-def test_serve_cli_process() -> None:
-    """`python -m agentree.commands.serve` serves until interrupted, then exits cleanly."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])
+def test_serve_cli_process(stop: signal.Signals) -> None:
+    """`python -m agentree.commands.serve` serves until interrupted (Ctrl-C, or its terminal
+    closed), then exits cleanly."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -292,7 +294,7 @@ def test_serve_cli_process() -> None:
         assert url is not None, "server did not report its address"
         with urllib.request.urlopen(url + "/models", timeout=30) as r:
             assert json.loads(r.read())["data"][0]["id"] == "cli-tiny"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
