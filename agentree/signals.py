@@ -38,11 +38,14 @@ def _main_thread() -> bool:
 
 
 def with_hangup(*signals: int) -> tuple[int, ...]:
-    """`signals`, and SIGHUP where it would kill this process outright: the signal a closed
-    terminal or a dropped ssh session sends, which stops a run as Ctrl-C does. Where SIGHUP is
-    ignored (a command started with `nohup`) or handled by someone else, it is left as it is:
-    the user asked for the command to outlive its terminal."""
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+    """`signals`, and SIGHUP where it would kill this process outright or where one of these
+    handlers has it (a trainer's `StopSignals` inside a benchmark's `interrupt_on_sigterm` then
+    holds it over the optimiser step, as it holds SIGTERM): the signal a closed terminal or a
+    dropped ssh session sends, which stops a run as Ctrl-C does. Where SIGHUP is ignored (a
+    command started with `nohup`: the user asked for it to outlive its terminal) or handled by
+    someone else, it is left as it is."""
+    handler = signal.getsignal(signal.SIGHUP)
+    if handler is signal.SIG_DFL or getattr(handler, "__module__", None) == __name__:
         return (*signals, signal.SIGHUP)
     return signals
 

@@ -53,3 +53,17 @@ def test_a_closed_terminal_stops_as_ctrl_c_does(name: str) -> None:
 def test_under_nohup_a_closed_terminal_is_still_ignored(name: str) -> None:
     out = run("SIG_IGN", SETUPS[name])
     assert out.returncode == 0 and out.stdout.strip() == "still running", out
+
+
+def test_a_trainer_inside_a_benchmark_holds_a_closed_terminal_over_its_update() -> None:
+    """A trainer's `StopSignals` installed inside a benchmark's `interrupt_on_sigterm` (as
+    `gradient_noise` runs one) takes SIGHUP over from it, as it takes SIGTERM: held during the
+    update, raised at its end."""
+    setup = (
+        "outer = interrupt_on_sigterm(); outer.__enter__(); stop = StopSignals(); "
+        "stop.install(); stop.hold()"
+    )
+    code = SCRIPT.format(disposition="SIG_DFL", setup=setup) + "stop.release()\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("still running"), out  # held
+    assert "KeyboardInterrupt: SIGHUP" in out.stderr  # and raised at the release
