@@ -298,6 +298,7 @@ def run_train(cmd: list[str], run: Path, prefix: str, env: dict[str, str]) -> No
     finally:
         for proc in mine:  # kept in `_ECHO`: a stop names the runs it killed from there
             _ECHO[proc][1].join()
+            proc.stdout.close()  # the copier read it to the end; one pipe a run otherwise
 
 
 def echo(proc: subprocess.Popen, log_path: Path, prefix: str) -> None:
@@ -322,8 +323,8 @@ it is inside an optimiser step or a checkpoint write; one still running after th
 
 
 def stop_runs(signum: int, _frame: Any) -> None:
-    """The benchmark's Ctrl-C and SIGTERM: stop the runs, each allowed `STOP_GRACE_S` to
-    checkpoint, and exit; the same command resumes them."""
+    """The benchmark's Ctrl-C, SIGTERM and SIGHUP: stop the runs, each allowed `STOP_GRACE_S`
+    to checkpoint, and exit; the same command resumes them."""
     live, killed = RUNS.stop(STOP_GRACE_S)
     for proc in killed:
         run = _ECHO[proc][0] if proc in _ECHO else Path(proc.args[-1])

@@ -302,6 +302,16 @@ le.stop_runs(signal.SIGTERM, None)
     assert "stopped 1 run(s); run the same command again to resume" in out.stdout
 
 
+def test_a_finished_run_leaves_no_pipe_open(bench, tmp_path, capsys):
+    """Each run's output is copied to its log through a pipe, closed once the run is done: a
+    benchmark of many runs does not run out of file descriptors."""
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(3):
+        bench.run_train([sys.executable, "-c", "print('ok')"], tmp_path / f"s{i}", "", {})
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert (tmp_path / "s2.log").read_text() == "ok\n" and capsys.readouterr().out == "ok\n" * 3
+
+
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
