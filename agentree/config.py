@@ -251,6 +251,10 @@ class EvalConfig(_Section):
     """Samples per task (the paper samples each test prompt 4 times)."""
     temperature: float | None = None
     """Sampling temperature for evaluation; null uses engine.temperature."""
+    save_every: int = Field(64, ge=1)
+    """`agentree eval` samples this many tasks as one block with its own seed and saves each
+    block as it finishes, so a stopped evaluation resumes (`--resume`) from its last block;
+    an evaluation of up to this many tasks is one block. Training's evaluation is one block."""
 
 
 class WandbConfig(_Section):

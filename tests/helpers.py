@@ -1,5 +1,6 @@
 """Test doubles for the *policy* (never for the component under test), the loader the
-benchmark scripts' tests share, and a command stopped by SIGTERM with what it leaves running."""
+benchmark scripts' tests share, a command stopped at a pause, and a command stopped by SIGTERM
+with what it leaves running."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
+
+import pytest
 
 from agentree.distributed.cluster import processes_matching
 from agentree.engines.base import Completion, EngineStats, SamplingParams
@@ -75,6 +78,27 @@ def interruptible() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def signal_at_pause(
+    argv: list[str], flag: Path, sig: int, what: str, **popen: Any
+) -> tuple[int, str]:
+    """Run `argv`, a launcher that writes `flag` when it reaches a pause and waits there until
+    `flag`.go exists; send `sig` once it pauses, let it go on, and return its exit status and
+    output. The test fails if it ends, or takes over 150 s, before the pause (`what` pauses)."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    deadline = time.monotonic() + 150
+    while not flag.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{what} never reached its pause:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    flag.with_suffix(".go").write_text("")
+    out, _ = proc.communicate(timeout=150)
+    return proc.returncode, out
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import signal_at_pause
 from small_policy import WARM_2_LAYERS
 
 from agentree.commands.cli import main
@@ -122,23 +121,9 @@ def _kill_during(tmp_path: Path, at: str, step: int, sig: int) -> tuple[Path, in
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
     env = {**os.environ, "PROBE_AT": at, "PROBE_STEP": str(step), "PROBE_FLAG": str(flag)}
-    proc = subprocess.Popen(
-        [sys.executable, str(launcher), *ARGS, "--output", str(run)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 150
-    while not flag.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"training never reached the {at} pause:\n{proc.communicate()[0]}")
-        time.sleep(0.1)
-    proc.send_signal(sig)
-    flag.with_suffix(".go").write_text("")
-    out, _ = proc.communicate(timeout=150)
-    return run, proc.returncode, _flat(out)
+    argv = [sys.executable, str(launcher), *ARGS, "--output", str(run)]
+    code, out = signal_at_pause(argv, flag, sig, f"training (at the {at})", env=env)
+    return run, code, _flat(out)
 
 
 def _flat(text: str) -> str:

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="one trajectory per task; writes DIR/eval.json")
     _selection_flags(p)
     p.add_argument("--tasks", help="a count, a JSON/JSONL file or a named source (e.g. local)")
-    p.add_argument("--samples", type=int, default=1, help="trajectories per task")
+    p.add_argument("--samples", type=int, help="trajectories per task (default 1)")
+    p.add_argument("--resume", action="store_true", help="finish the evaluation in --output")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("configs", help="list the shipped experiment configs")
@@ -407,17 +408,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not args.output:
         raise ValueError("agentree eval needs --output DIR")
     console = _console()
-    cfg = _load(args)
     out = Path(args.output)
-    with console.status("evaluating") as status:
-        result = run_eval(
-            cfg,
-            out,
-            tasks=args.tasks,
-            samples=args.samples,
-            log=console.print,
-            progress=_progress_lines(console, status.update),
+    if args.resume:
+        claim(out, "eval", resume=True)
+        select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy")}
+        cfg = resume_config(
+            out, config=args.config, select=select, overrides=args.set, steps=None, log=print
         )
+    else:
+        cfg = _load(args)
+    try:
+        # `kill` or a closed terminal stops it as Ctrl-C does: the blocks saved are kept
+        with interrupt_on_sigterm(), console.status("evaluating") as status:
+            result = run_eval(
+                cfg,
+                out,
+                tasks=args.tasks,
+                samples=args.samples,
+                resume=args.resume,
+                log=console.print,
+                progress=_progress_lines(console, status.update),
+            )
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     s = result["summary"]
     console.print(
         f"[bold green]{s['metric']}: {100 * s[s['metric']]:.1f}%[/] over {s['tasks']} tasks "

@@ -14,7 +14,9 @@ SWE-bench style predictions, and the trees under `trees/`.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +28,7 @@ from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.rollout.turn.turns import scripted_episode
-from agentree.run.outputs import claim, mark
+from agentree.run.outputs import EVAL_BLOCKS, claim, mark
 from agentree.run.runtime import Runtime
 from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
@@ -59,19 +61,39 @@ def evaluate(
     return {**result, "trees": trees, "stats": stats}
 
 
+BLOCK_SEED = 104_729
+"""`agentree eval` samples its block k with seed `cfg.seed + BLOCK_SEED * k`: block 0 samples
+at the config's seed, so an evaluation of one block is one batch, as training's evaluation is."""
+
+
 def run_eval(
     cfg: ExperimentConfig,
     out_dir: Path,
     *,
     tasks: str | None = None,
-    samples: int = 1,
+    samples: int | None = None,
+    resume: bool = False,
     log: Callable[[str], None] = print,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate `cfg`'s policy and write `out_dir` (`eval.json`, `config.yaml`, `trees/`). The
-    directory is claimed first (never a training run or a folder agentree did not write) and
-    written only once the evaluation is done."""
-    claim(out_dir, "eval")
+    """Evaluate `cfg`'s policy and write `out_dir` (`eval.json`, `config.yaml`, `trees/`).
+
+    The tasks run in blocks of `eval.save_every`, each sampled as one batch with its own seed
+    and saved under `blocks/` as it finishes. `resume` continues a stopped evaluation from its
+    saved blocks, with the tasks, samples and weights it started with, so it ends with the
+    results of an evaluation never stopped. The directory is claimed first (never a training
+    run, a folder agentree did not write, or a stopped evaluation without `resume`)."""
+    claim(out_dir, "eval", resume=resume)
+    plan_path = out_dir / EVAL_BLOCKS / "plan.json"
+    plan = json.loads(plan_path.read_text()) if resume and plan_path.exists() else None
+    if resume and plan is None:
+        if (out_dir / "eval.json").exists():
+            raise ValueError(f"{out_dir} holds a finished evaluation: nothing to resume")
+        log(f"nothing to resume in {out_dir} (no block saved yet): starting at the first task")
+    if plan is not None:
+        tasks = _as_saved("--tasks", tasks, plan["tasks"], out_dir)
+        samples = _as_saved("--samples", samples, plan["samples"], out_dir)
+    samples = 1 if samples is None else samples
     if samples < 1:
         raise ValueError(f"--samples {samples}: pass at least 1 trajectory per task")
     env_name, env_kwargs = cfg.component("env")
@@ -83,6 +105,12 @@ def run_eval(
             f"--tasks {spec} selects no tasks; pass a count of at least 1 or a task file with "
             "at least one record"
         )
+    ids = [t.id for t in task_list]
+    if plan is not None and ids != plan["task_ids"]:
+        raise ValueError(
+            f"--tasks {spec} now selects other tasks than when {out_dir} started (the task "
+            "file changed?); evaluate them with another --output"
+        )
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
     probe = cls(**env_kwargs)  # envs construct cheaply; resources come with reset()
     tools = tool_schemas(probe.tools())
@@ -93,27 +121,113 @@ def run_eval(
         else cls.scripted_policy(cfg.policy.path)
     )
     t0 = time.perf_counter()
-    sha256 = None
-    if scripted is not None:
-        log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
-        trees = run_scripted(cls, env_kwargs, scripted, task_list, cfg.engine.env_workers)
-    else:
-        rt = Runtime(cfg, log=log)
-        try:
+    n = cfg.eval.save_every
+    blocks = [task_list[i : i + n] for i in range(0, len(task_list), n)]
+    done = {k: _load_block(out_dir, k, blocks[k]) for k in range(len(blocks))} if plan else {}
+    done = {k: block for k, block in done.items() if block is not None}
+    earlier_s = sum(wall for _, wall in done.values())
+    if done:
+        log(f"resuming {out_dir}: {sum(len(blocks[k]) for k in done)} of {len(ids)} tasks saved")
+    rt: Runtime | None = None
+    sha256 = plan.get("policy_sha256") if plan else None
+    try:
+        if scripted is not None:
+            log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
+        elif len(done) < len(blocks):
+            rt = Runtime(cfg, log=log)
             log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
+            if plan is not None and rt.policy_sha256 != sha256:
+                raise ValueError(
+                    f"{rt.policy_path} holds other weights than those {out_dir} started with "
+                    f"(sha256 {sha256}); evaluate them with another --output"
+                )
             sha256 = rt.policy_sha256
-            trees = evaluate(
-                rt, cfg, seed=cfg.seed, tasks=task_list, samples=samples, progress=progress
-            )["trees"]
-        finally:
+        mark(out_dir, "eval")  # the inputs are valid, the policy loaded: the first file
+        if plan is None:  # an earlier evaluation's results go first: none of them is this one's
+            for name in ("eval.json", "predictions.jsonl"):
+                (out_dir / name).unlink(missing_ok=True)
+            for name in ("trees", EVAL_BLOCKS):
+                shutil.rmtree(out_dir / name, ignore_errors=True)
+            (out_dir / "config.yaml").write_text(cfg.to_yaml())
+            plan = {"tasks": spec, "samples": samples, "task_ids": ids, "policy_sha256": sha256}
+            _write_json(plan_path, plan)
+        for k, block in enumerate(blocks):
+            if k in done:
+                continue
+            b0 = time.perf_counter()
+            if rt is None:
+                trees = run_scripted(cls, env_kwargs, scripted, block, cfg.engine.env_workers)
+            else:
+                seed = cfg.seed + BLOCK_SEED * k
+                trees = evaluate(
+                    rt, cfg, seed=seed, tasks=block, samples=samples, progress=progress
+                )["trees"]
+            done[k] = (trees, time.perf_counter() - b0)
+            _save_block(out_dir, k, *done[k])
+            if len(blocks) > 1:
+                saved = sum(len(blocks[j]) for j in done)
+                log(f"block {k + 1} of {len(blocks)} saved: {saved} of {len(ids)} tasks")
+    except KeyboardInterrupt:
+        if plan_path.exists():
+            saved = sum(len(blocks[j]) for j in done)
+            log(
+                f"interrupted with {saved} of {len(ids)} tasks saved in {out_dir}; continue "
+                f"with: agentree eval --output {out_dir} --resume"
+            )
+        else:
+            log(f"interrupted before the first task: nothing written to {out_dir}")
+        raise
+    finally:
+        if rt is not None:
             rt.close()
-    result = summarise(trees, cfg.policy.path, time.perf_counter() - t0)
+    trees = [tree for k in range(len(blocks)) for tree in done[k][0]]
+    result = summarise(trees, cfg.policy.path, earlier_s + time.perf_counter() - t0)
     if sha256:  # the weights behind the figure: one recipe has built different ones
         result["summary"]["policy_sha256"] = sha256
-    mark(out_dir, "eval")
-    (out_dir / "config.yaml").write_text(cfg.to_yaml())
     _write(out_dir, trees, result)
+    shutil.rmtree(out_dir / EVAL_BLOCKS)
     return result
+
+
+def _as_saved(flag: str, value: Any, saved: Any, out_dir: Path) -> Any:
+    """The value a resumed evaluation started with; a flag that would change it is an error."""
+    if value is not None and str(value) != str(saved):
+        raise ValueError(
+            f"--resume continues the evaluation in {out_dir} with {flag} {saved}, and {flag} "
+            f"{value} would change it; drop that flag, or evaluate with another --output"
+        )
+    return saved
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _save_block(out_dir: Path, k: int, trees: Sequence[Tree], wall_s: float) -> None:
+    """Block k's trees and time under `blocks/`, complete or not at all (written aside, then
+    renamed), so a stop at any moment leaves only whole blocks."""
+    final = out_dir / EVAL_BLOCKS / f"block_{k:05d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_trees(trees, tmp / "trees")
+    _write_json(tmp / "block.json", {"wall_s": wall_s, "task_ids": [t.task_id for t in trees]})
+    os.replace(tmp, final)
+
+
+def _load_block(out_dir: Path, k: int, tasks: Sequence[Task]) -> tuple[list[Tree], float] | None:
+    """Block k's saved trees and time, or None if it was not saved."""
+    path = out_dir / EVAL_BLOCKS / f"block_{k:05d}"
+    if not path.is_dir():
+        return None
+    meta = json.loads((path / "block.json").read_text())
+    files = sorted((path / "trees").glob("*.json"), key=lambda f: int(f.name.split("_", 1)[0]))
+    trees = [Tree.load(f) for f in files]
+    if meta["task_ids"] != [t.id for t in tasks] or [t.task_id for t in trees] != meta["task_ids"]:
+        raise ValueError(f"{path} does not hold the tasks of block {k}; evaluate again elsewhere")
+    return trees, float(meta["wall_s"])
 
 
 def run_scripted(

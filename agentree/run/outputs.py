@@ -16,6 +16,8 @@ from pathlib import Path
 
 MARKER = ".agentree"
 COMMANDS = ("train", "rollout", "eval")
+EVAL_BLOCKS = "blocks"
+"""Where `agentree eval` keeps the blocks of tasks it has finished until its last one is done."""
 _LEGACY = {"checkpoints": "train", "metrics.jsonl": "train", "rollout_stats.json": "rollout"}
 
 
@@ -45,17 +47,24 @@ def claim(path: Path, command: str, *, resume: bool = False) -> None:
     """Raise a ValueError (one sentence) unless `command` may write into `path`; writes nothing.
 
     `train` takes a new or empty directory, or (`resume`) a training run; `rollout` and `eval`
-    take a new or empty directory or one they wrote before (their outputs are replaced)."""
+    take a new or empty directory or one they wrote before (their outputs are replaced), and
+    `eval` (`resume`) one it wrote before."""
     who = owner(path)
     if resume:
-        if who != "train":
+        if who != command:
+            what = {"train": "training run", "eval": "evaluation"}.get(command, command)
             raise ValueError(
-                f"{path} is not an agentree training run directory, so there is nothing to "
-                "resume; pass the --output of a run that agentree train wrote"
+                f"{path} is not an agentree {what} directory, so there is nothing to resume; "
+                f"pass the --output of a run that agentree {command} wrote"
             )
         return
     if who == "":
         return
+    if command == "eval" and who == "eval" and any((path / EVAL_BLOCKS).glob("block_*")):
+        raise ValueError(
+            f"{path} holds an evaluation stopped before its last task; pass --resume to finish "
+            "it, or another --output"
+        )
     if command == "train" and who == "train":
         if (path / "checkpoints").exists() or (path / "metrics.jsonl").exists():
             raise ValueError(
