@@ -81,11 +81,17 @@ def interruptible() -> None:
 
 
 def signal_at_pause(
-    argv: list[str], flag: Path, sig: int, what: str, **popen: Any
+    argv: list[str],
+    flag: Path,
+    sig: int,
+    what: str,
+    at_pause: Callable[[], None] | None = None,
+    **popen: Any,
 ) -> tuple[int, str]:
     """Run `argv`, a launcher that writes `flag` when it reaches a pause and waits there until
-    `flag`.go exists; send `sig` once it pauses, let it go on, and return its exit status and
-    output. The test fails if it ends, or takes over 150 s, before the pause (`what` pauses)."""
+    `flag`.go exists; once it pauses call `at_pause` (a check of what it holds there), send
+    `sig`, let it go on, and return its exit status and output. The test fails if it ends, or
+    takes over 150 s, before the pause (`what` pauses)."""
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
@@ -95,6 +101,13 @@ def signal_at_pause(
             proc.kill()
             pytest.fail(f"{what} never reached its pause:\n{proc.communicate()[0]}")
         time.sleep(0.1)
+    if at_pause is not None:
+        try:
+            at_pause()
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
     proc.send_signal(sig)
     flag.with_suffix(".go").write_text("")
     out, _ = proc.communicate(timeout=150)

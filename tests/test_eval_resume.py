@@ -13,10 +13,12 @@ import shutil
 import signal
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import interruptible, signal_at_pause
+from swe_support import local_records_fixture, owned_by  # noqa: F401
 
 from agentree.commands.cli import main
 from agentree.hub.store import BUILD_META
@@ -41,45 +43,77 @@ ARGS = [
 
 LAUNCHER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, sys, threading, time
     from pathlib import Path
 
     import agentree.run.evaluation as evaluation
     from agentree.commands.cli import main
 
     FLAG = Path(os.environ["PROBE_FLAG"])
-    evaluate = evaluation.evaluate
-    calls = []
+    evaluate, run_scripted = evaluation.evaluate, evaluation.run_scripted
+    blocks = []
+    once = threading.Lock()
 
 
-    def paused(*args, **kwargs):
-        out = evaluate(*args, **kwargs)  # the block is sampled, not yet saved
-        calls.append(1)
-        if len(calls) == 2:
-            FLAG.write_text("")
+    def pause():  # until the test has sent its signal
+        if once.acquire(blocking=False):
+            from agentree.envs.swe import runtime
+
+            FLAG.write_text(runtime.session_id())  # names the Docker resources this run owns
             go = FLAG.with_suffix(".go")
-            for _ in range(1200):  # until the test has sent its signal
+            for _ in range(1200):
                 if go.exists():
                     break
                 time.sleep(0.1)
+
+
+    def paused(*args, **kwargs):
+        blocks.append(1)
+        out = evaluate(*args, **kwargs)  # the block is sampled, not yet saved
+        if len(blocks) == 2:
+            pause()
         return out
 
 
-    evaluation.evaluate = paused
+    def counted(*args, **kwargs):
+        blocks.append(1)
+        return run_scripted(*args, **kwargs)
+
+
+    evaluation.evaluate, evaluation.run_scripted = paused, counted
+    if os.environ.get("PROBE_SWE_STEP"):  # pause in the second block's first env step instead
+        from agentree.envs.swe.env import SWEEnv
+
+        step = SWEEnv.step
+
+        def paused_step(self, action):
+            out = step(self, action)  # a container is running the episode
+            if len(blocks) == 2:
+                pause()
+            return out
+
+        SWEEnv.step = paused_step
     sys.exit(main(sys.argv[1:]))
     """
 )
 
 
 def _stop_in_second_block(
-    tmp_path: Path, out: Path, sig: int, args: list[str] = ARGS
+    tmp_path: Path,
+    out: Path,
+    sig: int,
+    args: list[str] = ARGS,
+    at_pause: Callable[[], None] | None = None,
+    **env: str,
 ) -> tuple[int, str]:
     flag = tmp_path / "flag"
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
     argv = [sys.executable, str(launcher), *args, "--output", str(out)]
-    env = {**os.environ, "PROBE_FLAG": str(flag)}
-    return signal_at_pause(argv, flag, sig, "the evaluation", env=env, preexec_fn=interruptible)
+    env = {**os.environ, **env, "PROBE_FLAG": str(flag)}
+    return signal_at_pause(
+        argv, flag, sig, "the evaluation", at_pause, env=env, preexec_fn=interruptible
+    )
 
 
 def _results(out: Path) -> tuple[dict, dict[str, object]]:
@@ -163,3 +197,29 @@ def test_resume_needs_a_stopped_evaluation(tmp_path, tiny_frozenlake, capsys):
     # a finished evaluation is replaced by a new one, nothing of it kept
     assert main([*ARGS[:6], "3", *ARGS[7:], "--output", str(out)]) == 0
     assert len(list((out / "trees").iterdir())) == 3
+
+
+@pytest.mark.docker
+def test_a_swe_evaluation_stopped_mid_episode_leaves_no_container_and_resumes(
+    tmp_path, local_records
+):
+    out = tmp_path / "e"
+    args = ["eval", "--env", "swebench", "--policy", "gold", "--tasks", "local"]
+    args += ["--set", "eval.save_every=2"]
+    flag = tmp_path / "flag"
+
+    def holds_a_container() -> None:  # the episode really runs in Docker when it is stopped
+        assert owned_by(flag.read_text())[0]
+
+    rc, text = _stop_in_second_block(
+        tmp_path, out, signal.SIGTERM, args, holds_a_container, PROBE_SWE_STEP="1"
+    )
+    assert rc == 130, text
+    assert owned_by(flag.read_text()) == ([], [])  # nothing of it left running
+    assert main(["eval", "--output", str(out), "--resume"]) == 0
+    summary = json.loads((out / "eval.json").read_text())["summary"]
+    assert (summary["tasks"], summary["resolved_rate"]) == (len(local_records), 1.0)
+    predictions = (out / "predictions.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["instance_id"] for x in predictions) == sorted(
+        r["instance_id"] for r in local_records
+    )
