@@ -1,12 +1,19 @@
 """Ray fails fast: what a run reserves is compared with the cluster before any actor starts,
-and `distributed.engine_replicas: auto` puts an engine in each worker on CPU-only clusters."""
+and `distributed.engine_replicas: auto` puts an engine in each worker on CPU-only clusters;
+Ctrl-C while a private instance starts leaves none of its processes."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+from helpers import interruptible, signal_at_pause
 from pydantic import ValidationError
 
 from agentree.config import DistributedConfig, load_config
@@ -14,6 +21,8 @@ from agentree.distributed.cluster import (
     Need,
     check_resources,
     engine_replicas,
+    kill_processes,
+    processes_matching,
     run_needs,
     total,
 )
@@ -138,3 +147,68 @@ def test_two_one_cpu_nodes_run_the_default_placement(small_cluster, tiny_frozenl
         assert len(rt.rollouts.nodes) == 2
     finally:
         rt.close()
+
+
+STARTING = """
+import os, sys, time
+from pathlib import Path
+
+import ray._private.node
+
+from agentree.config import DistributedConfig
+from agentree.distributed.cluster import connect
+
+FLAG = Path(sys.argv[1])
+start = ray._private.node.Node.start_ray_processes
+
+
+def paused(self):  # the raylet is up, ray.init is not done: Ray knows of no node yet
+    start(self)
+    FLAG.write_text("")
+    go = FLAG.with_suffix(".go")
+    for _ in range(1200):  # until the test has sent its Ctrl-C
+        if go.exists():
+            break
+        time.sleep(0.1)
+
+
+ray._private.node.Node.start_ray_processes = paused
+try:
+    connect(DistributedConfig(backend="ray", address="local"))
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_while_ray_starts_leaves_no_ray_process(tmp_path) -> None:
+    # Ray's temp dir, short (its socket paths must fit 107 bytes): every process the start
+    # makes runs from it or holds its log files there
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    flag = tmp_path / "flag"
+
+    def agents_up() -> None:  # the raylet's agents, which outlived it, have started
+        deadline = time.monotonic() + 120
+        while not [
+            p
+            for p in processes_matching(str(ray_tmp), open_files=True)
+            if "ray::" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+        ]:
+            assert time.monotonic() < deadline, "the raylet started no agent"
+            time.sleep(0.2)
+
+    try:
+        env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+        argv = [sys.executable, "-c", STARTING, str(flag)]
+        code, out = signal_at_pause(
+            argv, flag, signal.SIGINT, "ray.init", agents_up, env=env, preexec_fn=interruptible
+        )
+        assert code == 130, out
+        settle = time.monotonic() + 5  # what stops with its parent has gone by then
+        while (left := processes_matching(str(ray_tmp), open_files=True)) and (
+            time.monotonic() < settle
+        ):
+            time.sleep(0.2)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+    finally:
+        kill_processes(processes_matching(str(ray_tmp), open_files=True))
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -66,7 +66,11 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         # Logical CPUs: actors mostly wait on engines and Docker, so the private instance
         # admits every actor the config asks for even on a 2-core machine.
         cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
-        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+        try:
+            ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+        except BaseException:  # Ctrl-C mid-start: nothing else stops what it started
+            stop_interrupted_start(ray)
+            raise
         return True
     try:
         ray.init(address=dc.address, **kwargs)
@@ -76,6 +80,22 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
             "with `ray start --head` or use distributed.address=local"
         ) from None
     return False
+
+
+def stop_interrupted_start(ray: Any) -> None:
+    """Stop what a `ray.init` of a private instance started before it was interrupted. Ray
+    knows only what a finished start made, and the agents the raylet starts outlive it (a
+    minute or more), but every process of the start holds files in the session directory Ray
+    names after this process (`session_<time>_<pid>`)."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    # deferred, as ray is: Ray's temp dir (RAY_TMPDIR, else TMPDIR, else /tmp, then ray/)
+    from ray._common.utils import get_default_ray_temp_dir
+
+    root = Path(get_default_ray_temp_dir())
+    sessions = [f"{d}{os.sep}" for d in root.glob(f"session_*_{os.getpid()}")]
+    if sessions:
+        kill_processes(processes_matching(*sessions, open_files=True))
 
 
 def disconnect(started: bool) -> None:
