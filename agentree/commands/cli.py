@@ -86,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="one trajectory per task; writes DIR/eval.json")
     _selection_flags(p)
     p.add_argument("--tasks", help="a count, a JSON/JSONL file or a named source (e.g. local)")
-    p.add_argument("--samples", type=int, help="trajectories per task (default 1)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        help="trajectories per task (default 1; eval.samples is training's held-out samples)",
+    )
     p.add_argument("--resume", action="store_true", help="finish the evaluation in --output")
     p.set_defaults(func=cmd_eval)
 
