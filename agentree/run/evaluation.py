@@ -84,8 +84,8 @@ def run_eval(
     results of an evaluation never stopped. The directory is claimed first (never a training
     run, a folder agentree did not write, or a stopped evaluation without `resume`)."""
     claim(out_dir, "eval", resume=resume)
-    plan_path = out_dir / EVAL_BLOCKS / "plan.json"
-    plan = json.loads(plan_path.read_text()) if resume and plan_path.exists() else None
+    saved = SavedBlocks(out_dir)
+    plan = saved.plan() if resume else None
     if resume and plan is None:
         if (out_dir / "eval.json").exists():
             raise ValueError(f"{out_dir} holds a finished evaluation: nothing to resume")
@@ -99,18 +99,7 @@ def run_eval(
     env_name, env_kwargs = cfg.component("env")
     cls = env_class(env_name)
     spec = tasks if tasks is not None else cfg.eval.tasks
-    task_list = cls.load_tasks(spec, seed=cfg.seed, split="eval")
-    if not task_list:
-        raise ValueError(
-            f"--tasks {spec} selects no tasks; pass a count of at least 1 or a task file with "
-            "at least one record"
-        )
-    ids = [t.id for t in task_list]
-    if plan is not None and ids != plan["task_ids"]:
-        raise ValueError(
-            f"--tasks {spec} now selects other tasks than when {out_dir} started (the task "
-            "file changed?); evaluate them with another --output"
-        )
+    task_list = _eval_tasks(cls, spec, cfg.seed, plan, out_dir)
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
     probe = cls(**env_kwargs)  # envs construct cheaply; resources come with reset()
     tools = tool_schemas(probe.tools())
@@ -123,34 +112,23 @@ def run_eval(
     t0 = time.perf_counter()
     n = cfg.eval.save_every
     blocks = [task_list[i : i + n] for i in range(0, len(task_list), n)]
-    done = {k: _load_block(out_dir, k, blocks[k]) for k in range(len(blocks))} if plan else {}
-    done = {k: block for k, block in done.items() if block is not None}
+    done = saved.finished(blocks) if plan is not None else {}
     earlier_s = sum(wall for _, wall in done.values())
     if done:
-        log(f"resuming {out_dir}: {sum(len(blocks[k]) for k in done)} of {len(ids)} tasks saved")
+        log(f"resuming {out_dir}: {saved.count(blocks, done)} of {len(task_list)} tasks saved")
     rt: Runtime | None = None
-    sha256 = plan.get("policy_sha256") if plan else None
+    sha256 = plan["policy_sha256"] if plan is not None else None
     try:
         if scripted is not None:
             log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
         elif len(done) < len(blocks):
             rt = Runtime(cfg, log=log)
             log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
-            if plan is not None and rt.policy_sha256 != sha256:
-                raise ValueError(
-                    f"{rt.policy_path} holds other weights than those {out_dir} started with "
-                    f"(sha256 {sha256}); evaluate them with another --output"
-                )
-            sha256 = rt.policy_sha256
+            sha256 = _same_weights(rt, plan, out_dir)
         mark(out_dir, "eval")  # the inputs are valid, the policy loaded: the first file
-        if plan is None:  # an earlier evaluation's results go first: none of them is this one's
-            for name in ("eval.json", "predictions.jsonl"):
-                (out_dir / name).unlink(missing_ok=True)
-            for name in ("trees", EVAL_BLOCKS):
-                shutil.rmtree(out_dir / name, ignore_errors=True)
-            (out_dir / "config.yaml").write_text(cfg.to_yaml())
-            plan = {"tasks": spec, "samples": samples, "task_ids": ids, "policy_sha256": sha256}
-            _write_json(plan_path, plan)
+        if plan is None:
+            ids = [t.id for t in task_list]
+            saved.start(cfg, {"tasks": spec, "samples": samples, "task_ids": ids}, sha256)
         for k, block in enumerate(blocks):
             if k in done:
                 continue
@@ -163,19 +141,12 @@ def run_eval(
                     rt, cfg, seed=seed, tasks=block, samples=samples, progress=progress
                 )["trees"]
             done[k] = (trees, time.perf_counter() - b0)
-            _save_block(out_dir, k, *done[k])
+            saved.save(k, *done[k])
             if len(blocks) > 1:
-                saved = sum(len(blocks[j]) for j in done)
-                log(f"block {k + 1} of {len(blocks)} saved: {saved} of {len(ids)} tasks")
+                count = saved.count(blocks, done)
+                log(f"block {k + 1} of {len(blocks)} saved: {count} of {len(task_list)} tasks")
     except KeyboardInterrupt:
-        if plan_path.exists():
-            saved = sum(len(blocks[j]) for j in done)
-            log(
-                f"interrupted with {saved} of {len(ids)} tasks saved in {out_dir}; continue "
-                f"with: agentree eval --output {out_dir} --resume"
-            )
-        else:
-            log(f"interrupted before the first task: nothing written to {out_dir}")
+        log(saved.interrupted(blocks, done))
         raise
     finally:
         if rt is not None:
@@ -185,7 +156,7 @@ def run_eval(
     if sha256:  # the weights behind the figure: one recipe has built different ones
         result["summary"]["policy_sha256"] = sha256
     _write(out_dir, trees, result)
-    shutil.rmtree(out_dir / EVAL_BLOCKS)
+    saved.clear()
     return result
 
 
@@ -199,35 +170,108 @@ def _as_saved(flag: str, value: Any, saved: Any, out_dir: Path) -> Any:
     return saved
 
 
+def _same_weights(rt: Runtime, plan: dict[str, Any] | None, out_dir: Path) -> str | None:
+    """The sha256 of the policy's weights, which a resumed evaluation must have started with."""
+    if plan is not None and rt.policy_sha256 != plan["policy_sha256"]:
+        raise ValueError(
+            f"{rt.policy_path} holds other weights than those {out_dir} started with (sha256 "
+            f"{plan['policy_sha256']}); evaluate them with another --output"
+        )
+    return rt.policy_sha256
+
+
+def _eval_tasks(
+    cls: type[Env], spec: int | str, seed: int, plan: dict[str, Any] | None, out_dir: Path
+) -> list[Task]:
+    """The held-out tasks `spec` selects: some, and (resuming) those the evaluation started on."""
+    task_list = cls.load_tasks(spec, seed=seed, split="eval")
+    if not task_list:
+        raise ValueError(
+            f"--tasks {spec} selects no tasks; pass a count of at least 1 or a task file with "
+            "at least one record"
+        )
+    if plan is not None and [t.id for t in task_list] != plan["task_ids"]:
+        raise ValueError(
+            f"--tasks {spec} now selects other tasks than when {out_dir} started (the task "
+            "file changed?); evaluate them with another --output"
+        )
+    return task_list
+
+
+Finished = dict[int, tuple[list[Tree], float]]
+"""Block index -> (its trees, its sampling time in seconds)."""
+
+
+class SavedBlocks:
+    """What `agentree eval` keeps in `DIR/blocks/` until its last block is done: `plan.json`
+    (the tasks, samples and weights it started with) and one `block_K/` per finished block,
+    each written aside and renamed, so a stop at any moment leaves only whole blocks."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.dir = out_dir / EVAL_BLOCKS
+
+    def plan(self) -> dict[str, Any] | None:
+        path = self.dir / "plan.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def start(self, cfg: ExperimentConfig, plan: dict[str, Any], sha256: str | None) -> None:
+        """Begin a new evaluation: an earlier one's results go (none of them is this one's)."""
+        for name in ("eval.json", "predictions.jsonl"):
+            (self.out_dir / name).unlink(missing_ok=True)
+        for path in (self.out_dir / "trees", self.dir):
+            shutil.rmtree(path, ignore_errors=True)
+        (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
+        _write_json(self.dir / "plan.json", {**plan, "policy_sha256": sha256})
+
+    def save(self, k: int, trees: Sequence[Tree], wall_s: float) -> None:
+        final = self.dir / f"block_{k:05d}"
+        tmp = final.with_name(f".{final.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_trees(trees, tmp / "trees")
+        meta = {"wall_s": wall_s, "task_ids": [t.task_id for t in trees]}
+        _write_json(tmp / "block.json", meta)
+        os.replace(tmp, final)
+
+    def finished(self, blocks: Sequence[Sequence[Task]]) -> Finished:
+        """The saved blocks, each checked to hold its tasks' trees in order."""
+        out: Finished = {}
+        for k, tasks in enumerate(blocks):
+            path = self.dir / f"block_{k:05d}"
+            if not path.is_dir():
+                continue
+            meta = json.loads((path / "block.json").read_text())
+            files = sorted((path / "trees").glob("*.json"), key=lambda f: int(f.name.split("_")[0]))
+            trees = [Tree.load(f) for f in files]
+            if [t.task_id for t in trees] != meta["task_ids"] or meta["task_ids"] != [
+                t.id for t in tasks
+            ]:
+                raise ValueError(f"{path} does not hold the tasks of block {k}; evaluate again")
+            out[k] = (trees, float(meta["wall_s"]))
+        return out
+
+    @staticmethod
+    def count(blocks: Sequence[Sequence[Task]], done: Finished) -> int:
+        return sum(len(blocks[k]) for k in done)
+
+    def interrupted(self, blocks: Sequence[Sequence[Task]], done: Finished) -> str:
+        total = sum(len(b) for b in blocks)
+        if self.plan() is None:
+            return f"interrupted before the first task: nothing written to {self.out_dir}"
+        return (
+            f"interrupted with {self.count(blocks, done)} of {total} tasks saved in "
+            f"{self.out_dir}; continue with: agentree eval --output {self.out_dir} --resume"
+        )
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir)
+
+
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
-
-
-def _save_block(out_dir: Path, k: int, trees: Sequence[Tree], wall_s: float) -> None:
-    """Block k's trees and time under `blocks/`, complete or not at all (written aside, then
-    renamed), so a stop at any moment leaves only whole blocks."""
-    final = out_dir / EVAL_BLOCKS / f"block_{k:05d}"
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_trees(trees, tmp / "trees")
-    _write_json(tmp / "block.json", {"wall_s": wall_s, "task_ids": [t.task_id for t in trees]})
-    os.replace(tmp, final)
-
-
-def _load_block(out_dir: Path, k: int, tasks: Sequence[Task]) -> tuple[list[Tree], float] | None:
-    """Block k's saved trees and time, or None if it was not saved."""
-    path = out_dir / EVAL_BLOCKS / f"block_{k:05d}"
-    if not path.is_dir():
-        return None
-    meta = json.loads((path / "block.json").read_text())
-    files = sorted((path / "trees").glob("*.json"), key=lambda f: int(f.name.split("_", 1)[0]))
-    trees = [Tree.load(f) for f in files]
-    if meta["task_ids"] != [t.id for t in tasks] or [t.task_id for t in trees] != meta["task_ids"]:
-        raise ValueError(f"{path} does not hold the tasks of block {k}; evaluate again elsewhere")
-    return trees, float(meta["wall_s"])
 
 
 def run_scripted(
