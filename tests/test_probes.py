@@ -145,7 +145,8 @@ def test_view_of_a_run_without_trees(training_run, capsys):
     assert main(["view", str(training_run)]) == 2
     assert one_line_error(capsys) == (
         f"{training_run} has no trees/ folder, so there are no trees to view; a training run "
-        "saves them every train.trees_every steps (set it above 0)"
+        "saves them every train.trees_every steps (set it above 0), an evaluation once its "
+        "last task is done (a stopped one finishes with agentree eval --resume)"
     )
     assert not (training_run / "view.html").exists()
 

@@ -42,7 +42,8 @@ def tree_files(run_dir: Path) -> list[Path]:
         # a run directory whose JSON files (summary.json, eval.json) are not trees
         raise FileNotFoundError(
             f"{run_dir} has no trees/ folder, so there are no trees to view; a training run "
-            "saves them every train.trees_every steps (set it above 0)"
+            "saves them every train.trees_every steps (set it above 0), an evaluation once its "
+            "last task is done (a stopped one finishes with agentree eval --resume)"
         )
     files = sorted(p for p in folder.glob("*.json") if p.name != "eval.json")
     if not files:
