@@ -21,7 +21,11 @@ from helpers import interruptible, signal_at_pause
 from swe_support import local_records_fixture, owned_by  # noqa: F401
 
 from agentree.commands.cli import main
+from agentree.config import load_config
 from agentree.hub.store import BUILD_META
+from agentree.run.evaluation import evaluate
+from agentree.run.runtime import Runtime
+from agentree.tree import Tree
 
 ARGS = [
     "eval",
@@ -223,3 +227,24 @@ def test_a_swe_evaluation_stopped_mid_episode_leaves_no_container_and_resumes(
     assert sorted(json.loads(x)["instance_id"] for x in predictions) == sorted(
         r["instance_id"] for r in local_records
     )
+
+
+def test_an_evaluation_of_one_block_is_the_training_evaluation_at_the_configs_seed(tmp_path):
+    # 5 tasks, one block: what the trainer's held-out evaluation samples at the config's seed
+    out = tmp_path / "e"
+    one_block = [x for x in ARGS if x != "eval.save_every=2"]
+    one_block.remove("--set")  # the one before eval.save_every=2 (all --set flags read alike)
+    assert main([*one_block, "--output", str(out)]) == 0
+    cfg = load_config(str(out / "config.yaml"))
+    rt = Runtime(cfg, log=lambda _: None)
+    try:
+        tasks = rt.load_tasks(5, split="eval")
+        trees = evaluate(rt, cfg, seed=cfg.seed, tasks=tasks, samples=2)["trees"]
+    finally:
+        rt.close()
+    assert sorted(f.name for f in (out / "trees").iterdir()) == [
+        f"{i:03d}_{t.task_id}.json" for i, t in enumerate(trees)
+    ]
+    actions = [[n.action for n in t.nodes] for t in trees]
+    saved = [[n.action for n in Tree.load(f).nodes] for f in sorted((out / "trees").iterdir())]
+    assert saved == actions
