@@ -137,9 +137,10 @@ def run_eval(
                 trees = run_scripted(cls, env_kwargs, scripted, block, cfg.engine.env_workers)
             else:
                 seed = cfg.seed + BLOCK_SEED * k
-                trees = evaluate(
-                    rt, cfg, seed=seed, tasks=block, samples=samples, progress=progress
-                )["trees"]
+                shown = _in_block(progress, k, len(blocks))
+                trees = evaluate(rt, cfg, seed=seed, tasks=block, samples=samples, progress=shown)[
+                    "trees"
+                ]
             done[k] = (trees, time.perf_counter() - b0)
             saved.save(k, *done[k])
             if len(blocks) > 1:
@@ -158,6 +159,15 @@ def run_eval(
     _write(out_dir, trees, result)
     saved.clear()
     return result
+
+
+def _in_block(
+    progress: Callable[[str], None] | None, k: int, blocks: int
+) -> Callable[[str], None] | None:
+    """`progress` naming block k of `blocks` (as is when there is one)."""
+    if progress is None or blocks == 1:
+        return progress
+    return lambda msg: progress(f"block {k + 1} of {blocks}: {msg}")
 
 
 def _as_saved(flag: str, value: Any, saved: Any, out_dir: Path) -> Any:
