@@ -46,7 +46,10 @@ resumes seed by seed; with `--against FILE...`, measurements of another setting 
 batches (another advantage estimator on the same seeds samples the same rollouts), it adds
 `paired`: each side's |G|^2 / tr(Sigma) = 1 / B and their difference, jackknifed block by block,
 and `cos_expected`, the cosine between the two settings' expected gradients (from the pairs of
-tasks in different blocks): whether they point the same way, which B does not say.
+tasks in different blocks): whether they point the same way, which B does not say. With
+`--versus FILE...`, measurements of another setting on batches of its own (another controller
+samples other rollouts), it adds `unpaired`: each side's 1 / B with its own jackknife, and their
+difference with the standard errors combined in quadrature.
 """
 
 from __future__ import annotations
@@ -386,25 +389,53 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             f"the same tasks per block): {a['tasks']} against {b['tasks']}"
         )
     grams = (_gram(a["sums"]), _gram(b["sums"]))  # each side's, for both figures below
-    est_a = _pair_estimator(a["sums"], a["sq"], a["tasks"], grams[0])
-    est_b = _pair_estimator(b["sums"], b["sq"], b["tasks"], grams[1])
+    snr_a, se_a, loo_a = _snr(a, grams[0])
+    snr_b, se_b, loo_b = _snr(b, grams[1])
+    return {
+        "blocks": m,
+        "snr": snr_a,
+        "snr_se": se_a,
+        "snr_against": snr_b,
+        "snr_against_se": se_b,
+        "snr_diff": snr_a - snr_b,
+        "snr_diff_se": _jackknife([x - y for x, y in zip(loo_a, loo_b, strict=True)]),
+    } | expected_cosine(a, b, grams)
 
-    def snr(est: Any, keep: Sequence[int]) -> float:
+
+def unpaired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two settings measured on batches of their own (e.g. two controllers, each sampling its
+    own rollouts): each one's |G|^2 / tr(Sigma) = 1 / B with its own leave-one-block-out
+    jackknife, and their difference with the two standard errors combined in quadrature (the
+    two sides share no batch, so nothing cancels)."""
+    snr_a, se_a, _ = _snr(a)
+    snr_b, se_b, _ = _snr(b)
+    diff_se = None if se_a is None or se_b is None else math.hypot(se_a, se_b)
+    return {
+        "blocks": len(a["sums"]),
+        "blocks_versus": len(b["sums"]),
+        "snr": snr_a,
+        "snr_se": se_a,
+        "snr_versus": snr_b,
+        "snr_versus_se": se_b,
+        "snr_diff": snr_a - snr_b,
+        "snr_diff_se": diff_se,
+    }
+
+
+def _snr(
+    x: dict[str, Any], gram: torch.Tensor | None = None
+) -> tuple[float, float | None, list[float]]:
+    """A setting's |G|^2 / tr(Sigma) over all its blocks, its jackknife standard error, and
+    the leave-one-block-out values the error comes from."""
+    est = _pair_estimator(x["sums"], x["sq"], x["tasks"], gram)
+
+    def snr(keep: Sequence[int]) -> float:
         noise, signal = est(keep)
         return signal / noise
 
-    every = range(m)
-    loo = [[j for j in every if j != i] for i in every]
-    diffs = [snr(est_a, k) - snr(est_b, k) for k in loo]
-    return {
-        "blocks": m,
-        "snr": snr(est_a, every),
-        "snr_se": _jackknife([snr(est_a, k) for k in loo]),
-        "snr_against": snr(est_b, every),
-        "snr_against_se": _jackknife([snr(est_b, k) for k in loo]),
-        "snr_diff": snr(est_a, every) - snr(est_b, every),
-        "snr_diff_se": _jackknife(diffs),
-    } | expected_cosine(a, b, grams)
+    every = range(len(x["sums"]))
+    loo = [snr([j for j in every if j != i]) for i in every]
+    return snr(every), _jackknife(loo), loo
 
 
 def _jackknife(values: Sequence[float]) -> float | None:
@@ -596,17 +627,29 @@ def main(argv: list[str] | None = None) -> int:
         help="with --pool: measurements of another setting on the same batches, in the same "
         "order; adds `paired` (signal-to-noise ratios and their difference, block by block)",
     )
+    ap.add_argument(
+        "--versus",
+        type=Path,
+        nargs="+",
+        help="with --pool: measurements of another setting on batches of its own (another "
+        "controller); adds `unpaired` (signal-to-noise ratios and their difference)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.pool:
         result = pool(args.pool)
-        if args.against:
-            a, b = load_blocks(args.pool), load_blocks(args.against)
-            if a is None or b is None:
-                raise SystemExit(
-                    "--against needs the block sums of every measurement on both sides"
-                )
-            result["paired"] = paired(a, b) | {"against": [str(x) for x in args.against]}
+        for flag, other, compare in (
+            ("--against", args.against, paired),
+            ("--versus", args.versus, unpaired),
+        ):
+            if other:
+                a, b = load_blocks(args.pool), load_blocks(other)
+                if a is None or b is None:
+                    raise SystemExit(
+                        f"{flag} needs the block sums of every measurement on both sides"
+                    )
+                key = "paired" if compare is paired else "unpaired"
+                result[key] = compare(a, b) | {flag[2:]: [str(x) for x in other]}
     else:
         if args.config is None:
             raise SystemExit("give a run directory or a config to measure, or --pool FILES")
@@ -641,6 +684,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"  the two expected gradients' cosine {pr['cos_expected']:+.3f}"
                 + ("" if se is None else f" ± {se:.3f}")
             )
+    if "unpaired" in result:
+        up = result["unpaired"]
+        print(
+            f"  unpaired, {up['blocks']} blocks against {up['blocks_versus']}: |G|^2 / tr(Sigma) "
+            f"{up['snr']:.2e} ± {up['snr_se']:.1e} against {up['snr_versus']:.2e} ± "
+            f"{up['snr_versus_se']:.1e}; difference {up['snr_diff']:+.2e} ± {up['snr_diff_se']:.1e}"
+        )
     print(f"wrote {args.out}")
     return 130 if "stopped_after" in result else 0
 

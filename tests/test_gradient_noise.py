@@ -117,6 +117,33 @@ def test_paired_signal_to_noise_is_scale_free_and_refuses_other_blocks(bench):
         bench.paired(a, {**b, "tasks": [2, 1, 1]})
 
 
+def test_unpaired_signal_to_noise_combines_the_two_errors(bench, tmp_path: Path):
+    """The same tasks at twice the scale on batches of their own: 11/7 on both sides, each with
+    the jackknife SE of the leave-one-out ratios 12/5, 4/5 and 3/2, sqrt(2/3 * their squared
+    deviations); the two sides share no batch, so the difference's SE is sqrt(2) times that
+    (paired on the same blocks it would be 0). Through the command, as `--pool --versus`."""
+    xs = [torch.tensor(v) for v in ((1.0, 0.0), (3.0, 0.0), (2.0, 2.0))]
+    a = {"sums": xs, "sq": [1.0, 9.0, 8.0], "tasks": [1, 1, 1]}
+    b = {"sums": [2 * x for x in xs], "sq": [4.0, 36.0, 32.0], "tasks": [1, 1, 1]}
+    loo = [12 / 5, 4 / 5, 3 / 2]
+    mean = sum(loo) / 3
+    se = math.sqrt(2 / 3 * sum((v - mean) ** 2 for v in loo))
+    paths = []
+    for name, side in (("a", a), ("b", b)):
+        paths.append(tmp_path / f"{name}.json")
+        rows = [{"noise": 1.0, "signal": 1.0, "cos_halves": None, "informative": 1}] * 3
+        paths[-1].write_text(json.dumps(bench.summarise(rows, 1) | {"checkpoint": None}))
+        torch.save(side, bench.blocks_path(paths[-1]))
+    out = tmp_path / "versus.json"
+    assert bench.main(["--pool", str(paths[0]), "--versus", str(paths[1]), "--out", str(out)]) == 0
+    up = json.loads(out.read_text())["unpaired"]
+    assert up["snr"] == pytest.approx(11 / 7) and up["snr_versus"] == pytest.approx(11 / 7)
+    assert up["snr_se"] == pytest.approx(se) and up["snr_versus_se"] == pytest.approx(se)
+    assert up["snr_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert up["snr_diff_se"] == pytest.approx(math.sqrt(2) * se)
+    assert up["versus"] == [str(paths[1])] and up["blocks_versus"] == 3
+
+
 def test_measurements_pool_their_batches(bench, tmp_path: Path):
     """Two files of one setting summarise as one; files of different batch sizes refuse."""
     rows = [{"noise": 2.0, "signal": 1.0}, {"noise": 4.0, "signal": 3.0}]
