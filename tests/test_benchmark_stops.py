@@ -90,8 +90,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], Callable[[Path, Path], Ready
         lambda t: ["--levels", "1", "--requests", "2"],
         lambda s, _log: child("agentree", "serve"),
     ),
-    # stopped by Ray's own SIGTERM handling once `ray.init` returned (stopped inside it, the
-    # driver exits at once and Ray's agents leave by themselves about a minute later)
+    # stopped once `ray.init` returned (stopped inside it, `connect` stops what the start
+    # made: tests/test_ray_resources.py)
     "ray_rollout": (
         lambda t: ["--envs", "frozenlake", "--tasks", "2", "--rounds", "1", "--workers", "1"],
         lambda s, log: printed(log, "# private Ray instance started"),

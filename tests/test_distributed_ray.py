@@ -1,6 +1,7 @@
 """The Ray runtime on a real two-node Ray cluster on this machine (a head and a second
 `ray start` process group): same trees as in-process, trees on both nodes, a worker killed
-mid-rollout, Ctrl-C of `agentree rollout` with nothing left, and asynchronous training.
+mid-rollout, Ctrl-C, `kill` or a closed terminal of `agentree rollout` with nothing left, and
+asynchronous training.
 """
 
 from __future__ import annotations
@@ -223,7 +224,10 @@ class JobActors:
         )
 
 
-def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenlake):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenlake, sig):
+    """Ctrl-C, `kill` or a closed terminal: the rollout stops as Ctrl-C stops it (exit 130,
+    nothing written) and its actors go with it."""
     run = JobActors(cluster)  # not the module's runtime: 2 workers, 1 engine replica
     cmd = [
         sys.executable, "-m", "agentree", "rollout", "--tasks", "64", "--output", str(tmp_path),
@@ -243,7 +247,7 @@ def test_ctrl_c_of_a_ray_rollout_leaves_nothing(cluster, tmp_path, tiny_frozenla
         time.sleep(0.5)
     alive = run.alive()
     assert len(alive) == 3, seen + run.describe(alive)  # this run's 2 workers and 1 replica
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, seen + out
     assert run.gone(30), "an actor of the interrupted run is still running"

@@ -346,20 +346,21 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     cfg = _load(args)
     run_dir = Path(args.output)
     claim(run_dir, "rollout")
-    rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
-    try:
-        tasks = rt.tasks["train"]
-        rt.env_cls.prepare_tasks(tasks, progress=console.print, **rt.env_kwargs)
-        console.print(
-            f"[bold]agentree rollout[/] {cfg.rollout['name']} on {len(tasks)} {cfg.env['name']} "
-            f"tasks -> {run_dir}"
-        )
-        with console.status("rolling out") as status:
-            trees, stats = rt.rollouts.rollout(
-                tasks, progress=_progress_lines(console, status.update)
+    with interrupt_on_sigterm():  # `kill` or a closed terminal stops it as Ctrl-C does
+        rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
+        try:
+            tasks = rt.tasks["train"]
+            rt.env_cls.prepare_tasks(tasks, progress=console.print, **rt.env_kwargs)
+            console.print(
+                f"[bold]agentree rollout[/] {cfg.rollout['name']} on {len(tasks)} "
+                f"{cfg.env['name']} tasks -> {run_dir}"
             )
-    finally:
-        rt.close()
+            with console.status("rolling out") as status:
+                trees, stats = rt.rollouts.rollout(
+                    tasks, progress=_progress_lines(console, status.update)
+                )
+        finally:
+            rt.close()
 
     _write_config(cfg, run_dir, "rollout")
     save_trees(trees, run_dir / "trees")

@@ -61,6 +61,7 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         "logging_level": "WARNING",
         "log_to_driver": os.environ.get("AGENTREE_RAY_LOGS") == "1",
     }
+    sigterm = signal.getsignal(signal.SIGTERM)
     if dc.address == "local":
         os.environ.setdefault(WORKER_NICENESS, "0")  # read by the raylet ray.init starts
         # Logical CPUs: actors mostly wait on engines and Docker, so the private instance
@@ -71,6 +72,7 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
         except BaseException:  # Ctrl-C mid-start: nothing else stops what it started
             stop_interrupted_start(ray)
             raise
+        _keep_sigterm(sigterm)
         return True
     try:
         ray.init(address=dc.address, **kwargs)
@@ -79,7 +81,17 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
             f"cannot reach the Ray cluster at distributed.address={dc.address} ({e}); start it "
             "with `ray start --head` or use distributed.address=local"
         ) from None
+    _keep_sigterm(sigterm)
     return False
+
+
+def _keep_sigterm(before: Any) -> None:
+    """Put back the SIGTERM handler a command had before `ray.init`, which installs its own
+    (exit at once): agentree's stop the command chose (a checkpoint, or unwinding as Ctrl-C
+    does, `agentree.signals`) stays the command's. Ray's stays where there was none."""
+    if callable(before) and signal.getsignal(signal.SIGTERM) is not before:
+        with contextlib.suppress(ValueError):  # off the main thread, Ray installed none
+            signal.signal(signal.SIGTERM, before)
 
 
 def stop_interrupted_start(ray: Any) -> None:
