@@ -20,6 +20,8 @@ from agentree.config import DistributedConfig, load_config
 from agentree.distributed.cluster import (
     Need,
     check_resources,
+    connect,
+    disconnect,
     engine_replicas,
     kill_processes,
     processes_matching,
@@ -212,3 +214,21 @@ def test_ctrl_c_while_ray_starts_leaves_no_ray_process(tmp_path) -> None:
     finally:
         kill_processes(processes_matching(str(ray_tmp), open_files=True))
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_a_commands_own_sigterm_handler_survives_ray_init() -> None:
+    """`ray.init` installs a SIGTERM handler that exits at once; the one a command installed
+    before (agentree's stop: a checkpoint, or unwinding as Ctrl-C does) is put back."""
+
+    def ours(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    started = False
+    try:
+        started = connect(DistributedConfig(backend="ray", address="local"))
+        assert started
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        disconnect(started)
+        signal.signal(signal.SIGTERM, previous)
