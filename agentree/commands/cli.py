@@ -418,7 +418,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         claim(out, "eval", resume=True)
         select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy")}
         cfg = resume_config(
-            out, config=args.config, select=select, overrides=args.set, steps=None, log=print
+            out,
+            config=args.config,
+            select=select,
+            overrides=args.set,
+            steps=None,
+            log=console.print,
         )
     else:
         cfg = _load(args)
