@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,8 +21,6 @@ from agentree.config import DistributedConfig, load_config
 from agentree.distributed.cluster import (
     Need,
     check_resources,
-    connect,
-    disconnect,
     engine_replicas,
     kill_processes,
     processes_matching,
@@ -216,19 +215,34 @@ def test_ctrl_c_while_ray_starts_leaves_no_ray_process(tmp_path) -> None:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_a_commands_own_sigterm_handler_survives_ray_init() -> None:
-    """`ray.init` installs a SIGTERM handler that exits at once; the one a command installed
-    before (agentree's stop: a checkpoint, or unwinding as Ctrl-C does) is put back."""
+KEEPS = """
+import os, signal, time
 
-    def ours(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+from agentree.config import DistributedConfig
+from agentree.distributed.cluster import connect, disconnect
 
-    previous = signal.signal(signal.SIGTERM, ours)
-    started = False
-    try:
-        started = connect(DistributedConfig(backend="ray", address="local"))
-        assert started
-        assert signal.getsignal(signal.SIGTERM) is ours
-    finally:
-        disconnect(started)
-        signal.signal(signal.SIGTERM, previous)
+
+def ours(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, ours)
+started = connect(DistributedConfig(backend="ray", address="local"))
+print("after ray.init:", signal.getsignal(signal.SIGTERM) is ours, flush=True)
+disconnect(started)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except KeyboardInterrupt as stop:
+    print("after ray.shutdown:", stop, flush=True)
+"""
+
+
+def test_a_commands_own_sigterm_handler_survives_ray() -> None:
+    """`ray.init` installs a SIGTERM handler that exits at once, and `ray.shutdown` leaves
+    SIGTERM ending the process outright below Python: the command's own stop (a checkpoint,
+    or unwinding as Ctrl-C does) holds before, during and after Ray all the same."""
+    out = subprocess.run([sys.executable, "-c", KEEPS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "after ray.init: True" in out.stdout, out.stdout + out.stderr
+    assert "after ray.shutdown: signal 15" in out.stdout, out.stdout + out.stderr

@@ -85,15 +85,6 @@ def connect(dc: DistributedConfig, *, num_cpus: float = 0.0) -> bool:
     return False
 
 
-def _keep_sigterm(before: Any) -> None:
-    """Put back the SIGTERM handler a command had before `ray.init`, which installs its own
-    (exit at once): agentree's stop the command chose (a checkpoint, or unwinding as Ctrl-C
-    does, `agentree.signals`) stays the command's. Ray's stays where there was none."""
-    if callable(before) and signal.getsignal(signal.SIGTERM) is not before:
-        with contextlib.suppress(ValueError):  # off the main thread, Ray installed none
-            signal.signal(signal.SIGTERM, before)
-
-
 def stop_interrupted_start(ray: Any) -> None:
     """Stop what a `ray.init` of a private instance started before it was interrupted. Ray
     knows only what a finished start made, and the agents the raylet starts outlive it (a
@@ -114,6 +105,26 @@ def disconnect(started: bool) -> None:
     ray = import_ray()
     if ray.is_initialized():
         ray.shutdown()
+        _sigterm_again()
+
+
+def _keep_sigterm(before: Any) -> None:
+    """Put back the SIGTERM handler a command had before `ray.init`, which installs its own
+    (exit at once): agentree's stop the command chose (a checkpoint, or unwinding as Ctrl-C
+    does, `agentree.signals`) stays the command's. Ray's stays where there was none."""
+    if callable(before) and signal.getsignal(signal.SIGTERM) is not before:
+        with contextlib.suppress(ValueError):  # off the main thread, Ray installed none
+            signal.signal(signal.SIGTERM, before)
+
+
+def _sigterm_again() -> None:
+    """Register the SIGTERM handler Python reports once more: `ray.shutdown` removes its core
+    worker's handler below Python, which leaves SIGTERM ending the process outright while
+    Python still reports the command's own handler."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None:
+        with contextlib.suppress(ValueError):  # off the main thread: nothing to do
+            signal.signal(signal.SIGTERM, handler)
 
 
 # -- what a run reserves ----------------------------------------------------------------------
