@@ -21,6 +21,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from agentree.run.outputs import write_whole
+
 MANIFEST = "manifest.json"
 
 
@@ -40,9 +42,7 @@ def finish_checkpoint(run_dir: Path, step: int, keep: int) -> Path:
     _write_manifest(root / f".tmp_step_{step:06d}")
     _remove(ckpt)
     (root / f".tmp_step_{step:06d}").rename(ckpt)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(ckpt.name)
-    os.replace(pointer, root / "latest")
+    write_whole(root / "latest", ckpt.name)
     kept = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in kept[:-keep]:
         _remove(old)

@@ -28,7 +28,7 @@ from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.rollout.turn.turns import scripted_episode
-from agentree.run.outputs import EVAL_BLOCKS, claim, mark
+from agentree.run.outputs import EVAL_BLOCKS, claim, mark, write_whole
 from agentree.run.runtime import Runtime
 from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
@@ -232,22 +232,26 @@ class SavedBlocks:
         for path in (self.out_dir / "trees", self.dir):
             shutil.rmtree(path, ignore_errors=True)
         (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
-        _write_json(self.dir / "plan.json", {**plan, "policy_sha256": sha256})
+        self.dir.mkdir(parents=True)
+        write_whole(self.dir / "plan.json", json.dumps({**plan, "policy_sha256": sha256}))
+
+    def block(self, k: int) -> Path:
+        return self.dir / f"block_{k:05d}"
 
     def save(self, k: int, trees: Sequence[Tree], wall_s: float) -> None:
-        final = self.dir / f"block_{k:05d}"
+        final = self.block(k)
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_trees(trees, tmp / "trees")
         meta = {"wall_s": wall_s, "task_ids": [t.task_id for t in trees]}
-        _write_json(tmp / "block.json", meta)
+        (tmp / "block.json").write_text(json.dumps(meta))  # the block is renamed whole below
         os.replace(tmp, final)
 
     def finished(self, blocks: Sequence[Sequence[Task]]) -> Finished:
         """The saved blocks, each checked to hold its tasks' trees in order."""
         out: Finished = {}
         for k, tasks in enumerate(blocks):
-            path = self.dir / f"block_{k:05d}"
+            path = self.block(k)
             if not path.is_dir():
                 continue
             meta = json.loads((path / "block.json").read_text())
@@ -275,13 +279,6 @@ class SavedBlocks:
 
     def clear(self) -> None:
         shutil.rmtree(self.dir)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def run_scripted(

@@ -87,6 +87,12 @@ def claim(path: Path, command: str, *, resume: bool = False) -> None:
 def mark(path: Path, command: str) -> None:
     """Create `path` if needed and record that `command` writes it (atomically)."""
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f"{MARKER}.tmp"
-    tmp.write_text(json.dumps({"command": command}) + "\n")
-    os.replace(tmp, path / MARKER)
+    write_whole(path / MARKER, json.dumps({"command": command}) + "\n")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: written beside it, then renamed over it, so
+    a stop at any moment leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

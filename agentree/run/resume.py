@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agentree.config import load_config, validate_config
+from agentree.run.outputs import write_whole
 
 RESUME_OVERRIDES = ("train.world_size", "train.fsdp", "train.micro_batch_size")
 """Keys `--resume --set` may change: they reshape the work, not the run (every learner writes
@@ -110,7 +110,5 @@ def trim_metrics(path: Path, step: int | None) -> int:
             kept.append(line)
         else:
             dropped += 1
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept))
-    os.replace(tmp, path)
+    write_whole(path, "".join(x + "\n" for x in kept))
     return dropped
