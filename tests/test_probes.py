@@ -145,8 +145,9 @@ def test_view_of_a_run_without_trees(training_run, capsys):
     assert main(["view", str(training_run)]) == 2
     assert one_line_error(capsys) == (
         f"{training_run} has no trees/ folder, so there are no trees to view; a training run "
-        "saves them every train.trees_every steps (set it above 0), an evaluation once its "
-        "last task is done (a stopped one finishes with agentree eval --resume)"
+        "saves them every train.trees_every steps (set it above 0), an evaluation or a "
+        "rollout once its last task is done (a stopped one finishes with agentree eval "
+        "--resume or agentree rollout --resume)"
     )
     assert not (training_run / "view.html").exists()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -32,11 +31,10 @@ from agentree.run.evaluation import run_eval
 from agentree.run.outputs import claim, mark
 from agentree.run.plan import dry_run
 from agentree.run.resume import resume_config
-from agentree.run.runtime import Runtime
+from agentree.run.rollout import SAVE_EVERY, run_rollout
 from agentree.run.summary import record_policy, run_summary, write_summary
 from agentree.signals import interrupt_on_sigterm
 from agentree.tools import tool_schemas
-from agentree.tree import save_trees
 from agentree.viewer.pages import add_view_command
 
 EXIT_USAGE = 2
@@ -80,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rollout", help="build rollout trees without training")
     _selection_flags(p)
-    p.add_argument("--tasks", default="8", help="a count, a JSON/JSONL file or a named source")
+    p.add_argument(
+        "--tasks", help="a count (default 8), a JSON/JSONL file or a named source (e.g. local)"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        help=f"tasks a block, each saved as it finishes (default {SAVE_EVERY})",
+    )
+    p.add_argument("--resume", action="store_true", help="finish the rollout in --output")
     p.set_defaults(func=cmd_rollout)
 
     p = sub.add_parser("eval", help="one trajectory per task; writes DIR/eval.json")
@@ -343,44 +349,41 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     if not args.output:
         raise ValueError("agentree rollout needs --output DIR")
     console = _console()
-    cfg = _load(args)
-    run_dir = Path(args.output)
-    claim(run_dir, "rollout")
-    with interrupt_on_sigterm():  # `kill` or a closed terminal stops it as Ctrl-C does
-        rt = Runtime(cfg, log=console.print, tasks={"train": args.tasks})
-        try:
-            tasks = rt.tasks["train"]
-            rt.env_cls.prepare_tasks(tasks, progress=console.print, **rt.env_kwargs)
-            console.print(
-                f"[bold]agentree rollout[/] {cfg.rollout['name']} on {len(tasks)} "
-                f"{cfg.env['name']} tasks -> {run_dir}"
+    cfg = _resumable_config(args, "rollout", console)
+    try:
+        # `kill` or a closed terminal stops it as Ctrl-C does: the blocks saved are kept
+        with interrupt_on_sigterm(), console.status("rolling out") as status:
+            trees, d = run_rollout(
+                cfg,
+                Path(args.output),
+                tasks=args.tasks,
+                save_every=args.save_every,
+                resume=args.resume,
+                log=console.print,
+                progress=_progress_lines(console, status.update),
             )
-            with console.status("rolling out") as status:
-                trees, stats = rt.rollouts.rollout(
-                    tasks, progress=_progress_lines(console, status.update)
-                )
-        finally:
-            rt.close()
-
-    _write_config(cfg, run_dir, "rollout")
-    save_trees(trees, run_dir / "trees")
-    wins = n = 0
-    for tree in trees:
-        for t in rt.controller.group(tree):
-            wins += tree.success(t.leaf)
-            n += 1
-    d = stats.to_dict()
-    well, judged = action_format(trees)
-    d.update({"tasks": len(trees), "success_rate": wins / max(n, 1)})
-    d["well_formed_actions"] = well / judged if judged else None
-    (run_dir / "rollout_stats.json").write_text(json.dumps(d, indent=1))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     console.print(
         f"{d['trajectories']} trajectories, {d['env_steps']} env steps, {d['forks']} forks, "
         f"{d['policy_tokens_generated']} tokens generated, {d['policy_tokens_prefilled']} "
         f"prefilled, success {100 * d['success_rate']:.1f}%, {d['wall_s']:.1f}s"
     )
-    _print_action_format(console, well, judged)
+    _print_action_format(console, *action_format(trees))
     return 0
+
+
+def _resumable_config(args: argparse.Namespace, command: str, console: Any) -> Any:
+    """The config of `agentree eval` or `rollout`: from the flags, or (`--resume`) the one the
+    stopped run in --output saved, with any flag that would change it refused."""
+    if not args.resume:
+        return _load(args)
+    out = Path(args.output)
+    claim(out, command, resume=True)
+    select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy")}
+    return resume_config(
+        out, config=args.config, select=select, overrides=args.set, steps=None, log=console.print
+    )
 
 
 def _progress_lines(
@@ -414,19 +417,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError("agentree eval needs --output DIR")
     console = _console()
     out = Path(args.output)
-    if args.resume:
-        claim(out, "eval", resume=True)
-        select = {k: getattr(args, k) for k in ("env", "rollout", "scorer", "policy")}
-        cfg = resume_config(
-            out,
-            config=args.config,
-            select=select,
-            overrides=args.set,
-            steps=None,
-            log=console.print,
-        )
-    else:
-        cfg = _load(args)
+    cfg = _resumable_config(args, "eval", console)
     try:
         # `kill` or a closed terminal stops it as Ctrl-C does: the blocks saved are kept
         with interrupt_on_sigterm(), console.status("evaluating") as status:

@@ -14,9 +14,6 @@ SWE-bench style predictions, and the trees under `trees/`.
 from __future__ import annotations
 
 import json
-import os
-import random
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +25,16 @@ from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.rollout.turn.turns import scripted_episode
-from agentree.run.outputs import EVAL_BLOCKS, claim, mark, write_whole
+from agentree.run.blocks import (
+    SavedBlocks,
+    as_saved,
+    block_seed,
+    cut,
+    in_block,
+    planned_tasks,
+    seeded,
+)
+from agentree.run.outputs import claim
 from agentree.run.runtime import Runtime
 from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
@@ -48,22 +54,17 @@ def evaluate(
     if tasks is None:
         tasks = rt.tasks.get("eval") or rt.load_tasks(cfg.eval.tasks, split="eval")
     k = samples or cfg.eval.samples
-    rt.engine.seed(seed)
+    rng = seeded(rt, seed)
     t0 = time.perf_counter()
     trees, stats = rt.rollouts.rollout(
         list(tasks),
         controller=FlatGRPO(FlatConfig(G=k)),
         temperature=cfg.eval.temperature,
-        rng=random.Random(seed),
+        rng=rng,
         progress=progress,
     )
     result = summarise(trees, cfg.policy.path, time.perf_counter() - t0, samples=k)
     return {**result, "trees": trees, "stats": stats}
-
-
-BLOCK_SEED = 104_729
-"""`agentree eval` samples its block k with seed `cfg.seed + BLOCK_SEED * k`: block 0 samples
-at the config's seed, so an evaluation of one block is one batch, as training's evaluation is."""
 
 
 def run_eval(
@@ -79,27 +80,24 @@ def run_eval(
     """Evaluate `cfg`'s policy and write `out_dir` (`eval.json`, `config.yaml`, `trees/`).
 
     The tasks run in blocks of `eval.save_every`, each sampled as one batch with its own seed
-    and saved under `blocks/` as it finishes. `resume` continues a stopped evaluation from its
-    saved blocks, with the tasks, samples and weights it started with, so it ends with the
-    results of an evaluation never stopped. The directory is claimed first (never a training
-    run, a folder agentree did not write, or a stopped evaluation without `resume`)."""
+    and saved under `blocks/` as it finishes (`agentree.run.blocks`). `resume` continues a
+    stopped evaluation from its saved blocks, with the tasks, samples and weights it started
+    with, so it ends with the results of an evaluation never stopped. The directory is claimed
+    first (never a training run, a folder agentree did not write, or a stopped evaluation
+    without `resume`)."""
     claim(out_dir, "eval", resume=resume)
-    saved = SavedBlocks(out_dir)
-    plan = saved.plan() if resume else None
-    if resume and plan is None:
-        if (out_dir / "eval.json").exists():
-            raise ValueError(f"{out_dir} holds a finished evaluation: nothing to resume")
-        log(f"nothing to resume in {out_dir} (no block saved yet): starting at the first task")
+    saved = SavedBlocks(out_dir, "eval", RESULTS)
+    plan = saved.resumed_plan(resume, log)
     if plan is not None:
-        tasks = _as_saved("--tasks", tasks, plan["tasks"], out_dir)
-        samples = _as_saved("--samples", samples, plan["samples"], out_dir)
+        tasks = as_saved("--tasks", tasks, plan["tasks"], out_dir)
+        samples = as_saved("--samples", samples, plan["samples"], out_dir)
     samples = 1 if samples is None else samples
     if samples < 1:
         raise ValueError(f"--samples {samples}: pass at least 1 trajectory per task")
     env_name, env_kwargs = cfg.component("env")
     cls = env_class(env_name)
     spec = tasks if tasks is not None else cfg.eval.tasks
-    task_list = _eval_tasks(cls, spec, cfg.seed, plan, out_dir)
+    task_list = planned_tasks(cls, spec, seed=cfg.seed, split="eval", plan=plan, out_dir=out_dir)
     cls.prepare_tasks(task_list, progress=log, **env_kwargs)
     probe = cls(**env_kwargs)  # envs construct cheaply; resources come with reset()
     tools = tool_schemas(probe.tools())
@@ -109,51 +107,27 @@ def run_eval(
         if tools
         else cls.scripted_policy(cfg.policy.path)
     )
-    t0 = time.perf_counter()
-    n = cfg.eval.save_every
-    blocks = [task_list[i : i + n] for i in range(0, len(task_list), n)]
-    done = saved.finished(blocks) if plan is not None else {}
-    earlier_s = sum(wall for _, wall in done.values())
-    if done:
-        log(f"resuming {out_dir}: {saved.count(blocks, done)} of {len(task_list)} tasks saved")
-    rt: Runtime | None = None
-    sha256 = plan["policy_sha256"] if plan is not None else None
-    try:
+    blocks = cut(task_list, cfg.eval.save_every)
+
+    def runtime() -> Runtime | None:
         if scripted is not None:
             log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
-        elif len(done) < len(blocks):
-            rt = Runtime(cfg, log=log)
-            log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
-            sha256 = _same_weights(rt, plan, out_dir)
-        mark(out_dir, "eval")  # the inputs are valid, the policy loaded: the first file
-        if plan is None:
-            ids = [t.id for t in task_list]
-            saved.start(cfg, {"tasks": spec, "samples": samples, "task_ids": ids}, sha256)
-        for k, block in enumerate(blocks):
-            if k in done:
-                continue
-            b0 = time.perf_counter()
-            if rt is None:
-                trees = run_scripted(cls, env_kwargs, scripted, block, cfg.engine.env_workers)
-            else:
-                seed = cfg.seed + BLOCK_SEED * k
-                shown = _in_block(progress, k, len(blocks))
-                trees = evaluate(rt, cfg, seed=seed, tasks=block, samples=samples, progress=shown)[
-                    "trees"
-                ]
-            done[k] = (trees, time.perf_counter() - b0)
-            saved.save(k, *done[k])
-            if len(blocks) > 1:
-                count = saved.count(blocks, done)
-                log(f"block {k + 1} of {len(blocks)} saved: {count} of {len(task_list)} tasks")
-    except KeyboardInterrupt:
-        log(saved.interrupted(blocks, done))
-        raise
-    finally:
-        if rt is not None:
-            rt.close()
-    trees = [tree for k in range(len(blocks)) for tree in done[k][0]]
-    result = summarise(trees, cfg.policy.path, earlier_s + time.perf_counter() - t0)
+            return None
+        rt = Runtime(cfg, log=log)
+        log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
+        return rt
+
+    def sample(rt: Runtime | None, k: int, block: Sequence[Task]) -> tuple[list[Tree], None]:
+        if rt is None:
+            return run_scripted(cls, env_kwargs, scripted, block, cfg.engine.env_workers), None
+        seed, shown = block_seed(cfg.seed, k), in_block(progress, k, len(blocks))
+        out = evaluate(rt, cfg, seed=seed, tasks=block, samples=samples, progress=shown)
+        return out["trees"], None
+
+    flags = {"tasks": spec, "samples": samples}
+    finished, sha256, wall_s = saved.sample(cfg, blocks, plan, flags, runtime, sample, log)
+    trees = [tree for block in finished for tree in block.trees]
+    result = summarise(trees, cfg.policy.path, wall_s)
     if sha256:  # the weights behind the figure: one recipe has built different ones
         result["summary"]["policy_sha256"] = sha256
     _write(out_dir, trees, result)
@@ -161,124 +135,8 @@ def run_eval(
     return result
 
 
-def _in_block(
-    progress: Callable[[str], None] | None, k: int, blocks: int
-) -> Callable[[str], None] | None:
-    """`progress` naming block k of `blocks` (as is when there is one)."""
-    if progress is None or blocks == 1:
-        return progress
-    return lambda msg: progress(f"block {k + 1} of {blocks}: {msg}")
-
-
-def _as_saved(flag: str, value: Any, saved: Any, out_dir: Path) -> Any:
-    """The value a resumed evaluation started with; a flag that would change it is an error."""
-    if value is not None and str(value) != str(saved):
-        raise ValueError(
-            f"--resume continues the evaluation in {out_dir} with {flag} {saved}, and {flag} "
-            f"{value} would change it; drop that flag, or evaluate with another --output"
-        )
-    return saved
-
-
-def _same_weights(rt: Runtime, plan: dict[str, Any] | None, out_dir: Path) -> str | None:
-    """The sha256 of the policy's weights, which a resumed evaluation must have started with."""
-    if plan is not None and rt.policy_sha256 != plan["policy_sha256"]:
-        raise ValueError(
-            f"{rt.policy_path} holds other weights than those {out_dir} started with (sha256 "
-            f"{plan['policy_sha256']}); evaluate them with another --output"
-        )
-    return rt.policy_sha256
-
-
-def _eval_tasks(
-    cls: type[Env], spec: int | str, seed: int, plan: dict[str, Any] | None, out_dir: Path
-) -> list[Task]:
-    """The held-out tasks `spec` selects: some, and (resuming) those the evaluation started on."""
-    task_list = cls.load_tasks(spec, seed=seed, split="eval")
-    if not task_list:
-        raise ValueError(
-            f"--tasks {spec} selects no tasks; pass a count of at least 1 or a task file with "
-            "at least one record"
-        )
-    if plan is not None and [t.id for t in task_list] != plan["task_ids"]:
-        raise ValueError(
-            f"--tasks {spec} now selects other tasks than when {out_dir} started (the task "
-            "file changed?); evaluate them with another --output"
-        )
-    return task_list
-
-
-Finished = dict[int, tuple[list[Tree], float]]
-"""Block index -> (its trees, its sampling time in seconds)."""
-
-
-class SavedBlocks:
-    """What `agentree eval` keeps in `DIR/blocks/` until its last block is done: `plan.json`
-    (the tasks, samples and weights it started with) and one `block_K/` per finished block,
-    each written aside and renamed, so a stop at any moment leaves only whole blocks."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.dir = out_dir / EVAL_BLOCKS
-
-    def plan(self) -> dict[str, Any] | None:
-        path = self.dir / "plan.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def start(self, cfg: ExperimentConfig, plan: dict[str, Any], sha256: str | None) -> None:
-        """Begin a new evaluation: an earlier one's results go (none of them is this one's)."""
-        for name in ("eval.json", "predictions.jsonl"):
-            (self.out_dir / name).unlink(missing_ok=True)
-        for path in (self.out_dir / "trees", self.dir):
-            shutil.rmtree(path, ignore_errors=True)
-        (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
-        self.dir.mkdir(parents=True)
-        write_whole(self.dir / "plan.json", json.dumps({**plan, "policy_sha256": sha256}))
-
-    def block(self, k: int) -> Path:
-        return self.dir / f"block_{k:05d}"
-
-    def save(self, k: int, trees: Sequence[Tree], wall_s: float) -> None:
-        final = self.block(k)
-        tmp = final.with_name(f".{final.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_trees(trees, tmp / "trees")
-        meta = {"wall_s": wall_s, "task_ids": [t.task_id for t in trees]}
-        (tmp / "block.json").write_text(json.dumps(meta))  # the block is renamed whole below
-        os.replace(tmp, final)
-
-    def finished(self, blocks: Sequence[Sequence[Task]]) -> Finished:
-        """The saved blocks, each checked to hold its tasks' trees in order."""
-        out: Finished = {}
-        for k, tasks in enumerate(blocks):
-            path = self.block(k)
-            if not path.is_dir():
-                continue
-            meta = json.loads((path / "block.json").read_text())
-            files = sorted((path / "trees").glob("*.json"), key=lambda f: int(f.name.split("_")[0]))
-            trees = [Tree.load(f) for f in files]
-            if [t.task_id for t in trees] != meta["task_ids"] or meta["task_ids"] != [
-                t.id for t in tasks
-            ]:
-                raise ValueError(f"{path} does not hold the tasks of block {k}; evaluate again")
-            out[k] = (trees, float(meta["wall_s"]))
-        return out
-
-    @staticmethod
-    def count(blocks: Sequence[Sequence[Task]], done: Finished) -> int:
-        return sum(len(blocks[k]) for k in done)
-
-    def interrupted(self, blocks: Sequence[Sequence[Task]], done: Finished) -> str:
-        total = sum(len(b) for b in blocks)
-        if self.plan() is None:
-            return f"interrupted before the first task: nothing written to {self.out_dir}"
-        return (
-            f"interrupted with {self.count(blocks, done)} of {total} tasks saved in "
-            f"{self.out_dir}; continue with: agentree eval --output {self.out_dir} --resume"
-        )
-
-    def clear(self) -> None:
-        shutil.rmtree(self.dir)
+RESULTS = ("eval.json", "predictions.jsonl", "trees")
+"""A finished evaluation's outputs, which a new evaluation into its folder removes first."""
 
 
 def run_scripted(

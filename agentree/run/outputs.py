@@ -16,8 +16,10 @@ from pathlib import Path
 
 MARKER = ".agentree"
 COMMANDS = ("train", "rollout", "eval")
-EVAL_BLOCKS = "blocks"
-"""Where `agentree eval` keeps the blocks of tasks it has finished until its last one is done."""
+BLOCKS = "blocks"
+"""Where `agentree eval` and `agentree rollout` keep the blocks of tasks they have finished until
+their last one is done (`agentree.run.blocks`)."""
+WHAT = {"train": "training run", "rollout": "rollout", "eval": "evaluation"}
 _LEGACY = {"checkpoints": "train", "metrics.jsonl": "train", "rollout_stats.json": "rollout"}
 
 
@@ -47,12 +49,12 @@ def claim(path: Path, command: str, *, resume: bool = False) -> None:
     """Raise a ValueError (one sentence) unless `command` may write into `path`; writes nothing.
 
     `train` takes a new or empty directory, or (`resume`) a training run; `rollout` and `eval`
-    take a new or empty directory or one they wrote before (their outputs are replaced), and
-    `eval` (`resume`) one it wrote before."""
+    take a new or empty directory or one they wrote before (their outputs are replaced) unless
+    it was stopped before its last task, and (`resume`) one they wrote before."""
     who = owner(path)
     if resume:
         if who != command:
-            what = {"train": "training run", "eval": "evaluation"}.get(command, command)
+            what = WHAT[command]
             raise ValueError(
                 f"{path} is not an agentree {what} directory, so there is nothing to resume; "
                 f"pass the --output of a run that agentree {command} wrote"
@@ -60,10 +62,11 @@ def claim(path: Path, command: str, *, resume: bool = False) -> None:
         return
     if who == "":
         return
-    if command == "eval" and who == "eval" and any((path / EVAL_BLOCKS).glob("block_*")):
+    if who == command != "train" and any((path / BLOCKS).glob("block_*")):
+        what = f"{'an' if command == 'eval' else 'a'} {WHAT[command]}"
         raise ValueError(
-            f"{path} holds an evaluation stopped before its last task; pass --resume to finish "
-            "it, or another --output"
+            f"{path} holds {what} stopped before its last task; pass --resume to finish it, or "
+            "another --output"
         )
     if command == "train" and who == "train":
         if (path / "checkpoints").exists() or (path / "metrics.jsonl").exists():

@@ -42,8 +42,9 @@ def tree_files(run_dir: Path) -> list[Path]:
         # a run directory whose JSON files (summary.json, eval.json) are not trees
         raise FileNotFoundError(
             f"{run_dir} has no trees/ folder, so there are no trees to view; a training run "
-            "saves them every train.trees_every steps (set it above 0), an evaluation once its "
-            "last task is done (a stopped one finishes with agentree eval --resume)"
+            "saves them every train.trees_every steps (set it above 0), an evaluation or a "
+            "rollout once its last task is done (a stopped one finishes with agentree eval "
+            "--resume or agentree rollout --resume)"
         )
     files = sorted(p for p in folder.glob("*.json") if p.name != "eval.json")
     if not files:

@@ -1,8 +1,10 @@
-"""Stop a real `agentree eval` process between its blocks of tasks, then `--resume` it.
+"""Stop a real `agentree eval` or `agentree rollout` process between its blocks of tasks, then
+`--resume` it.
 
-The evaluation runs under a small launcher that pauses inside the second block's sampling (the
-first block saved, the second sampled but not saved) and drops a flag file; the test then sends
-SIGTERM, SIGHUP or SIGKILL. Nothing is replaced: sampling, saving and resuming run for real.
+The command runs under a small launcher that pauses as its second block is about to be saved
+(the first block saved, the second sampled but not written), or in the second block's first SWE
+step, and drops a flag file; the test then sends SIGTERM, SIGHUP or SIGKILL. Nothing is
+replaced: sampling (PATR's forking trees for the rollout), saving and resuming run for real.
 """
 
 from __future__ import annotations
@@ -45,17 +47,33 @@ ARGS = [
     "env.max_turns=4",
 ]
 
+ROLLOUT_ARGS = [
+    "rollout",
+    "--policy",
+    "tiny",
+    "--env",
+    "frozenlake",
+    "--tasks",
+    "5",
+    "--save-every",
+    "2",  # blocks of 2, 2 and 1 tasks
+    "--set",
+    "engine.max_tokens=6",
+    "--set",
+    "env.max_turns=4",
+]
+
 LAUNCHER = textwrap.dedent(
     """
     import os, sys, threading, time
     from pathlib import Path
 
-    import agentree.run.evaluation as evaluation
     from agentree.commands.cli import main
+    from agentree.run.blocks import SavedBlocks
 
     FLAG = Path(os.environ["PROBE_FLAG"])
-    evaluate, run_scripted = evaluation.evaluate, evaluation.run_scripted
-    blocks = []
+    save = SavedBlocks.save
+    saved = []
     once = threading.Lock()
 
 
@@ -74,20 +92,14 @@ LAUNCHER = textwrap.dedent(
                 time.sleep(0.1)
 
 
-    def paused(*args, **kwargs):
-        blocks.append(1)
-        out = evaluate(*args, **kwargs)  # the block is sampled, not yet saved
-        if len(blocks) == 2:
-            pause()
-        return out
+    def paused(self, k, block):
+        if k == 1 and not os.environ.get("PROBE_SWE_STEP"):
+            pause()  # the second block is sampled, not yet saved
+        save(self, k, block)
+        saved.append(k)
 
 
-    def counted(*args, **kwargs):
-        blocks.append(1)
-        return run_scripted(*args, **kwargs)
-
-
-    evaluation.evaluate, evaluation.run_scripted = paused, counted
+    SavedBlocks.save = paused
     if os.environ.get("PROBE_SWE_STEP"):  # pause in the second block's first env step instead
         from agentree.envs.swe.env import SWEEnv
 
@@ -95,7 +107,7 @@ LAUNCHER = textwrap.dedent(
 
         def paused_step(self, action):
             out = step(self, action)  # a container is running the episode
-            if len(blocks) == 2:
+            if saved == [0]:
                 pause()
             return out
 
@@ -118,9 +130,7 @@ def _stop_in_second_block(
     launcher.write_text(LAUNCHER)
     argv = [sys.executable, str(launcher), *args, "--output", str(out)]
     env = {**os.environ, **env, "PROBE_FLAG": str(flag)}
-    return signal_at_pause(
-        argv, flag, sig, "the evaluation", at_pause, env=env, preexec_fn=interruptible
-    )
+    return signal_at_pause(argv, flag, sig, args[0], at_pause, env=env, preexec_fn=interruptible)
 
 
 def _results(out: Path) -> tuple[dict, dict[str, object]]:
@@ -129,37 +139,73 @@ def _results(out: Path) -> tuple[dict, dict[str, object]]:
     body["summary"].pop("wall_s")
     for item in body["per_task"]:
         item.pop("wall_s")
+    return body, _trees(out)
+
+
+def _rollout_results(out: Path) -> tuple[dict, dict[str, object]]:
+    """rollout_stats.json and the trees, without the timings."""
+    stats = json.loads((out / "rollout_stats.json").read_text())
+    return {k: v for k, v in stats.items() if not k.endswith("_s")}, _trees(out)
+
+
+def _refusal(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
+    """Runs a command that must be refused (exit 2) and returns its one-line error."""
+
+    def error(argv: list[str]) -> str:
+        capsys.readouterr()
+        assert main(argv) == 2
+        return capsys.readouterr().err.strip()
+
+    return error
+
+
+def _trees(out: Path) -> dict[str, object]:
     trees = {}
     for f in sorted((out / "trees").iterdir()):
         tree = json.loads(f.read_text())
         for node in tree["nodes"]:
             node["info"].pop("step_s", None)
+        tree["meta"].pop("wall_s", None)
         trees[f.name] = tree
-    return body, trees
+    return trees
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
-def test_a_stopped_evaluation_resumes_to_the_results_of_one_never_stopped(
-    tmp_path, tiny_frozenlake, sig
+@pytest.mark.parametrize(
+    "command, sig",
+    [
+        ("eval", signal.SIGTERM),
+        ("eval", signal.SIGHUP),
+        ("eval", signal.SIGKILL),
+        ("rollout", signal.SIGTERM),
+        ("rollout", signal.SIGKILL),
+    ],
+)
+def test_a_stopped_command_resumes_to_the_results_of_one_never_stopped(
+    tmp_path, tiny_frozenlake, command, sig
 ):
+    args, results, written = {
+        "eval": (ARGS, _results, "eval.json"),
+        "rollout": (ROLLOUT_ARGS, _rollout_results, "rollout_stats.json"),
+    }[command]
     whole = tmp_path / "whole"
-    assert main([*ARGS, "--output", str(whole)]) == 0
+    assert main([*args, "--output", str(whole)]) == 0
     assert not (whole / "blocks").exists()  # the blocks go once the results are written
+    assert len(list((whole / "trees").iterdir())) == 5
 
     out = tmp_path / "stopped"
-    rc, text = _stop_in_second_block(tmp_path, out, sig)
+    rc, text = _stop_in_second_block(tmp_path, out, sig, args)
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 130), text
     if sig != signal.SIGKILL:
         said = "".join(text.split())  # the console wraps long lines, even inside paths
         assert "interruptedwith2of5taskssaved" in said, text
-        assert f"continuewith:agentreeeval--output{out}--resume" in said, text
+        assert f"continuewith:agentree{command}--output{out}--resume" in said, text
     # only the first block was saved: the second was sampled, not written
     assert sorted(p.name for p in (out / "blocks").iterdir()) == ["block_00000", "plan.json"]
-    assert not (out / "eval.json").exists()
+    assert not (out / written).exists() and not (out / "trees").exists()
 
-    assert main(["eval", "--output", str(out), "--resume"]) == 0
+    assert main([command, "--output", str(out), "--resume"]) == 0
     assert not (out / "blocks").exists()
-    assert _results(out) == _results(whole)
+    assert results(out) == results(whole)
 
 
 def test_a_stopped_evaluation_is_neither_overwritten_nor_changed_on_resume(
@@ -172,11 +218,7 @@ def test_a_stopped_evaluation_is_neither_overwritten_nor_changed_on_resume(
     rc, text = _stop_in_second_block(tmp_path, out, signal.SIGTERM, args)
     assert rc == 130, text
 
-    def error(argv: list[str]) -> str:
-        capsys.readouterr()
-        assert main(argv) == 2
-        return capsys.readouterr().err.strip()
-
+    error = _refusal(capsys)
     # the same command again would throw the saved block away: refused
     err = error([*args, "--output", str(out)])
     assert "holds an evaluation stopped before its last task; pass --resume" in err
@@ -251,3 +293,51 @@ def test_an_evaluation_of_one_block_is_the_training_evaluation_at_the_configs_se
     actions = [[n.action for n in t.nodes] for t in trees]
     saved = [[n.action for n in Tree.load(f).nodes] for f in sorted((out / "trees").iterdir())]
     assert saved == actions
+
+
+def test_a_stopped_rollout_is_neither_overwritten_nor_changed_on_resume(
+    tmp_path, tiny_frozenlake, capsys
+):
+    out = tmp_path / "r"
+    rc, text = _stop_in_second_block(tmp_path, out, signal.SIGTERM, ROLLOUT_ARGS)
+    assert rc == 130, text
+
+    error = _refusal(capsys)
+    err = error([*ROLLOUT_ARGS, "--output", str(out)])
+    assert "holds a rollout stopped before its last task; pass --resume" in err
+    err = error(["rollout", "--output", str(out), "--resume", "--tasks", "6"])
+    assert "with --tasks 5, and --tasks 6 would change it" in err
+    err = error(["rollout", "--output", str(out), "--resume", "--save-every", "3"])
+    assert "with --save-every 2, and --save-every 3 would change it" in err
+    err = error(["rollout", "--output", str(out), "--resume", "--rollout", "grpo"])
+    assert "--rollout grpo would change it" in err
+    assert sorted(p.name for p in (out / "blocks").iterdir()) == ["block_00000", "plan.json"]
+
+    assert main(["rollout", "--output", str(out), "--resume"]) == 0
+    assert "holds a finished rollout: nothing to resume" in error(
+        ["rollout", "--output", str(out), "--resume"]
+    )
+    # a finished rollout is replaced by a new one, nothing of it kept
+    assert main([*ROLLOUT_ARGS[:6], "3", *ROLLOUT_ARGS[7:], "--output", str(out)]) == 0
+    assert len(list((out / "trees").iterdir())) == 3
+    assert json.loads((out / "rollout_stats.json").read_text())["tasks"] == 3
+
+
+def test_a_rollout_of_one_block_is_the_one_batch_it_always_was(tmp_path, tiny_frozenlake):
+    # the default block (64 tasks) holds all 5: the rollout the runtime makes at the config's
+    # seed, as `agentree rollout` sampled before it saved blocks
+    out = tmp_path / "r"
+    one_block = [*ROLLOUT_ARGS[:7], *ROLLOUT_ARGS[9:]]
+    assert main([*one_block, "--output", str(out)]) == 0
+    cfg = load_config(str(out / "config.yaml"))
+    rt = Runtime(cfg, log=lambda _: None, tasks={"train": 5})
+    try:
+        trees, stats = rt.rollouts.rollout(rt.tasks["train"])
+    finally:
+        rt.close()
+    saved = [Tree.load(f) for f in sorted((out / "trees").iterdir())]
+    assert [t.task_id for t in saved] == [t.task_id for t in trees]
+    assert [[n.action for n in t.nodes] for t in saved] == [
+        [n.action for n in t.nodes] for t in trees
+    ]
+    assert json.loads((out / "rollout_stats.json").read_text())["forks"] == stats.forks > 0
