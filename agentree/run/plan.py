@@ -201,7 +201,8 @@ def dry_run(cfg: ExperimentConfig) -> str:
         f"  architecture: {est['source']}",
         f"  parameters: {n['total'] / 1e6:.2f}M ({lora}); largest layer {n['layer'] / 1e6:.2f}M",
         f"  dtype {tc.dtype}, gradient checkpointing {tc.gradient_checkpointing}, "
-        f"micro-batch {est['tokens']} tokens (micro_batch_size x engine.max_context)",
+        f"micro-batch {est['tokens']} tokens (micro_batch_size x engine.max_context: every "
+        "sequence at full context, rarely reached)",
     ]
     out += [f"  {k:<16} {v / GIB:10.3f} GiB" for k, v in est["per_rank"].items()]
     out.append(f"  {'total':<16} {est['per_rank_total'] / GIB:10.3f} GiB")
