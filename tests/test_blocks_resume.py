@@ -317,9 +317,10 @@ def test_a_stopped_rollout_is_neither_overwritten_nor_changed_on_resume(
     assert "holds a finished rollout: nothing to resume" in error(
         ["rollout", "--output", str(out), "--resume"]
     )
-    # a finished rollout is replaced by a new one, nothing of it kept
+    # a finished rollout is replaced by a new one, nothing of it kept (its page either)
+    assert main(["view", str(out)]) == 0 and (out / "view.html").exists()
     assert main([*ROLLOUT_ARGS[:6], "3", *ROLLOUT_ARGS[7:], "--output", str(out)]) == 0
-    assert len(list((out / "trees").iterdir())) == 3
+    assert len(list((out / "trees").iterdir())) == 3 and not (out / "view.html").exists()
     assert json.loads((out / "rollout_stats.json").read_text())["tasks"] == 3
 
 

@@ -135,8 +135,9 @@ def run_eval(
     return result
 
 
-RESULTS = ("eval.json", "predictions.jsonl", "trees")
-"""A finished evaluation's outputs, which a new evaluation into its folder removes first."""
+RESULTS = ("eval.json", "predictions.jsonl", "trees", "view.html")
+"""A finished evaluation's outputs (and `agentree view`'s page of them), which a new evaluation
+into its folder removes first."""
 
 
 def run_scripted(

@@ -30,8 +30,9 @@ from agentree.run.outputs import claim, write_whole
 from agentree.run.runtime import Runtime
 from agentree.tree import Tree, save_trees
 
-RESULTS = ("rollout_stats.json", "trees")
-"""A finished rollout's outputs, which a new rollout into its folder removes first."""
+RESULTS = ("rollout_stats.json", "trees", "view.html")
+"""A finished rollout's outputs (and `agentree view`'s page of them), which a new rollout into
+its folder removes first."""
 TASKS = "8"
 """The tasks of a rollout without --tasks."""
 SAVE_EVERY = 64

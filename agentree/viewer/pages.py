@@ -256,5 +256,7 @@ def _cmd_view(args: Any) -> int:
     out, data = write_view(args.run_dir, args.output)
     trees = [t for g in data["steps"] for t in g["trees"]]
     nodes = sum(len(t["nodes"]) for t in trees)
-    print(f"wrote {out}: {len(data['steps'])} steps, {len(trees)} trees, {nodes} nodes")
+    steps = len(data["steps"])
+    trained = f"{steps} step{'s' if steps != 1 else ''}, " if data["kind"] == "train" else ""
+    print(f"wrote {out}: {trained}{len(trees)} trees, {nodes} nodes")
     return 0
