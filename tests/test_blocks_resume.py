@@ -305,6 +305,9 @@ def test_a_stopped_rollout_is_neither_overwritten_nor_changed_on_resume(
     error = _refusal(capsys)
     err = error([*ROLLOUT_ARGS, "--output", str(out)])
     assert "holds a rollout stopped before its last task; pass --resume" in err
+    err = error([*ROLLOUT_ARGS[:8], "0", *ROLLOUT_ARGS[9:], "--output", str(tmp_path / "z")])
+    assert err.endswith("--save-every 0: save a block every 1 task or more")
+    assert not (tmp_path / "z").exists()
     err = error(["rollout", "--output", str(out), "--resume", "--tasks", "6"])
     assert "with --tasks 5, and --tasks 6 would change it" in err
     err = error(["rollout", "--output", str(out), "--resume", "--save-every", "3"])

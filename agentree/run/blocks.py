@@ -203,8 +203,6 @@ class SavedBlocks:
 
 def cut(tasks: Sequence[Task], n: int) -> list[list[Task]]:
     """`tasks` in blocks of `n` (the last one shorter)."""
-    if n < 1:
-        raise ValueError(f"blocks of {n} tasks: save every 1 task or more")
     return [list(tasks[i : i + n]) for i in range(0, len(tasks), n)]
 
 

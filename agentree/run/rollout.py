@@ -63,6 +63,8 @@ def run_rollout(
         save_every = as_saved("--save-every", save_every, plan["save_every"], out_dir)
     tasks = TASKS if tasks is None else tasks
     save_every = SAVE_EVERY if save_every is None else save_every
+    if save_every < 1:
+        raise ValueError(f"--save-every {save_every}: save a block every 1 task or more")
     env_name, env_kwargs = cfg.component("env")
     cls = env_class(env_name)
     task_list = planned_tasks(cls, tasks, seed=cfg.seed, split="train", plan=plan, out_dir=out_dir)
