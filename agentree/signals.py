@@ -94,9 +94,10 @@ class StopSignals:
 
 @contextlib.contextmanager
 def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM (and SIGHUP, `with_hangup`) into KeyboardInterrupt while a build or a
-    fine-tune runs (main thread only), so `kill` or a closed terminal cleans up (a build's
-    partial directory) or keeps (a fine-tune's resumable state) what Ctrl-C does."""
+    """Turn SIGTERM (and SIGHUP, `with_hangup`) into KeyboardInterrupt while a command runs
+    (main thread only), so `kill` or a closed terminal cleans up (a build's partial directory,
+    a rollout's sandboxes) or keeps (a fine-tune's state, an evaluation's saved blocks) what
+    Ctrl-C does."""
     if not _main_thread():
         yield
         return
