@@ -139,13 +139,18 @@ def _results(out: Path) -> tuple[dict, dict[str, object]]:
     body["summary"].pop("wall_s")
     for item in body["per_task"]:
         item.pop("wall_s")
+    body["rollout_stats"] = _counters(body["rollout_stats"])  # summed over the blocks
     return body, _trees(out)
 
 
 def _rollout_results(out: Path) -> tuple[dict, dict[str, object]]:
     """rollout_stats.json and the trees, without the timings."""
-    stats = json.loads((out / "rollout_stats.json").read_text())
-    return {k: v for k, v in stats.items() if not k.endswith("_s")}, _trees(out)
+    return _counters(json.loads((out / "rollout_stats.json").read_text())), _trees(out)
+
+
+def _counters(stats: dict) -> dict:
+    """A rollout's counters without its timings."""
+    return {k: v for k, v in stats.items() if not k.endswith("_s")}
 
 
 def _refusal(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
@@ -206,6 +211,8 @@ def test_a_stopped_command_resumes_to_the_results_of_one_never_stopped(
     assert main([command, "--output", str(out), "--resume"]) == 0
     assert not (out / "blocks").exists()
     assert results(out) == results(whole)
+    if command == "eval":  # what sampling cost, summed over the three blocks
+        assert results(out)[0]["rollout_stats"]["trajectories"] == 5 * 2
 
 
 def test_a_stopped_evaluation_is_neither_overwritten_nor_changed_on_resume(

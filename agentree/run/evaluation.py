@@ -7,7 +7,8 @@ timeout failed; otherwise the env's `success` flag at the leaf decides, else a r
 The policy is either a model (sampled through the engine, `samples` trajectories per task) or a
 scripted sanity policy the env provides (SWE's `gold` and `empty`). Every task counts: a task
 that errors, times out or produces nothing is a failure, never silently dropped. Writes
-`eval.json` (summary, per-task results, timings), `predictions.jsonl` when the env reports
+`eval.json` (summary, per-task results, timings and, for a model, what sampling cost: tokens
+generated and prefilled, env steps, env errors), `predictions.jsonl` when the env reports
 SWE-bench style predictions, and the trees under `trees/`.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.envs.base import Env, ScriptedPolicy, Task, env_class
+from agentree.rollout.base import RolloutStats
 from agentree.rollout.turn.flat import FlatConfig, FlatGRPO
 from agentree.rollout.turn.turns import scripted_episode
 from agentree.run.blocks import (
@@ -117,12 +119,14 @@ def run_eval(
         log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
         return rt
 
-    def sample(rt: Runtime | None, k: int, block: Sequence[Task]) -> tuple[list[Tree], None]:
+    def sample(
+        rt: Runtime | None, k: int, block: Sequence[Task]
+    ) -> tuple[list[Tree], RolloutStats | None]:
         if rt is None:
             return run_scripted(cls, env_kwargs, scripted, block, cfg.engine.env_workers), None
         seed, shown = block_seed(cfg.seed, k), in_block(progress, k, len(blocks))
         out = evaluate(rt, cfg, seed=seed, tasks=block, samples=samples, progress=shown)
-        return out["trees"], None
+        return out["trees"], out["stats"]
 
     flags = {"tasks": spec, "samples": samples}
     finished, sha256, wall_s = saved.sample(cfg, blocks, plan, flags, runtime, sample, log)
@@ -130,6 +134,12 @@ def run_eval(
     result = summarise(trees, cfg.policy.path, wall_s)
     if sha256:  # the weights behind the figure: one recipe has built different ones
         result["summary"]["policy_sha256"] = sha256
+    counted = [block.stats for block in finished if block.stats is not None]
+    if counted and len(counted) == len(finished):  # a model sampled every block
+        stats = RolloutStats()
+        for block_stats in counted:
+            stats.add(block_stats)
+        result["rollout_stats"] = stats.to_dict()
     _write(out_dir, trees, result)
     saved.clear()
     return result
@@ -233,6 +243,8 @@ def summarise(
 def _write(out_dir: Path, trees: Sequence[Tree], result: dict[str, Any]) -> None:
     save_trees(trees, out_dir / "trees")
     body = {"summary": result["summary"], "per_task": result["per_task"]}
+    if "rollout_stats" in result:  # what sampling cost: tokens, env steps, env errors
+        body["rollout_stats"] = result["rollout_stats"]
     (out_dir / "eval.json").write_text(json.dumps(body, indent=1))
     if result["predictions"]:
         with open(out_dir / "predictions.jsonl", "w") as f:
