@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
 from agentree.envs import Task, make_env
-from agentree.rollout.base import RolloutContext, make_controller
+from agentree.rollout.base import RolloutContext, RolloutStats, make_controller
 from agentree.scorers import Score, Scorer, make_scorer
 from agentree.tree import EndReason
 
@@ -285,3 +285,24 @@ def test_user_env_runs_through_patr_by_import_path(tokenizer):
     assert stats.trajectories == 4 + stats.expanded
     assert all(leaf.turn <= 6 for leaf in tree.leaves())
     assert any(leaf.end_reason == EndReason.MAX_TURNS and leaf.turn == 6 for leaf in tree.leaves())
+
+
+def test_stats_of_two_rollouts_sum_amounts_and_combine_levels_by_hand():
+    # a refill round or a saved block counted in: amounts add up, Ray's levels do not
+    a = RolloutStats(trajectories=4, env_steps=10, wall_s=1.0)
+    a.extra.update({"tool_calls": 3.0, "distributed/workers": 2.0, "distributed/busy_frac": 0.5})
+    a.extra.update({"distributed/queue_depth": 3.0, "distributed/weight_sync_s": 0.2})
+    b = RolloutStats(trajectories=6, env_steps=5, wall_s=3.0)
+    b.extra.update({"tool_calls": 4.0, "distributed/workers": 2.0, "distributed/busy_frac": 0.9})
+    b.extra.update({"distributed/queue_depth": 1.0, "distributed/weight_sync_s": 0.4})
+    b.extra["budget_cut"] = 2.0  # an amount only the second has
+    a.add(b)
+    assert (a.trajectories, a.env_steps, a.wall_s) == (10, 15, 4.0)
+    assert a.extra == {
+        "tool_calls": 7.0,
+        "budget_cut": 2.0,
+        "distributed/workers": 2.0,  # the larger: the same two workers ran both
+        "distributed/busy_frac": pytest.approx((0.5 * 1.0 + 0.9 * 3.0) / 4.0),  # 0.8
+        "distributed/queue_depth": 3.0,
+        "distributed/weight_sync_s": 0.4,  # the later
+    }

@@ -65,6 +65,30 @@ def call_info(action: Any) -> dict[str, Any]:
     return info
 
 
+LEVELS: dict[str, str] = {
+    "distributed/workers": "max",
+    "distributed/nodes": "max",
+    "distributed/queue_depth": "max",
+    "distributed/busy_frac": "mean",
+    "distributed/weight_sync_s": "last",
+}
+"""Extras that are levels, not amounts (the Ray rollouts report them), and how
+`RolloutStats.add` combines two rollouts' values: the larger, the later, or the mean weighted
+by each rollout's wall time. Every other extra is an amount and is summed."""
+
+
+def _combine(key: str, mine: float, theirs: float, weights: tuple[float, float]) -> float:
+    rule = LEVELS.get(key)
+    if rule == "max":
+        return max(mine, theirs)
+    if rule == "last":
+        return theirs
+    if rule == "mean":
+        total = weights[0] + weights[1]
+        return (mine * weights[0] + theirs * weights[1]) / total if total > 0 else theirs
+    return mine + theirs
+
+
 @dataclass
 class RolloutStats:
     """Counters for one rollout call (summed over its trees); keys of rollout_stats.json."""
@@ -95,10 +119,14 @@ class RolloutStats:
             self.extra["tool_call_errors"] = self.extra.get("tool_call_errors", 0.0) + 1
 
     def add(self, other: RolloutStats) -> None:
+        """Count `other` in (a refill round, a saved block): amounts are summed, the extras in
+        `LEVELS` combined as levels."""
+        weights = (self.wall_s, other.wall_s)
         for k, v in asdict(other).items():
             if k == "extra":
                 for ek, ev in v.items():
-                    self.extra[ek] = self.extra.get(ek, 0.0) + ev
+                    mine = self.extra.get(ek)
+                    self.extra[ek] = ev if mine is None else _combine(ek, mine, ev, weights)
             else:
                 setattr(self, k, getattr(self, k) + v)
 
