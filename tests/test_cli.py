@@ -98,12 +98,18 @@ def test_train_with_a_user_env(tmp_path, monkeypatch):
     assert any("train/loss" in r for r in rows)
 
 
-def test_eval_writes_eval_json(tmp_path, tiny_frozenlake):
+def test_eval_writes_eval_json(tmp_path, tiny_frozenlake, capsys):
     out = tmp_path / "e"
     assert main(["eval", "--tasks", "3", "--samples", "2", "--output", str(out), *FAST]) == 0
     data = json.loads((out / "eval.json").read_text())
     assert data["summary"]["tasks"] == 3 and len(data["per_task"]) == 3
     assert all(p["samples"] == 2 for p in data["per_task"])
+    # what sampling cost, as the trees count it
+    cost = data["rollout_stats"]
+    trees = [json.loads(f.read_text()) for f in (out / "trees").iterdir()]
+    steps = sum(len(t["nodes"]) - 1 for t in trees)  # every node below the root is a step
+    assert (cost["trajectories"], cost["env_steps"]) == (6, steps)
+    assert f"6 trajectories, {steps} env steps" in capsys.readouterr().err
     # the figure names the weights behind it: those of the policy the config resolves to
     policy = Path(resolve_policy(load_config(str(out / "config.yaml")), log=lambda _: None))
     assert data["summary"]["policy_sha256"] == _sha256(policy / "model.safetensors")

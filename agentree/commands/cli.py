@@ -439,6 +439,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     if "policy_sha256" in s:
         console.print(f"policy weights: sha256 {s['policy_sha256']}")
+    if "rollout_stats" in result:
+        d = result["rollout_stats"]
+        console.print(
+            f"{d['trajectories']} trajectories, {d['env_steps']} env steps, "
+            f"{d['policy_tokens_generated']} tokens generated, {d['policy_tokens_prefilled']} "
+            f"prefilled, {d['env_errors']} env errors"
+        )
     return 0
 
 
