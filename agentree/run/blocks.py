@@ -149,7 +149,7 @@ class SavedBlocks:
         plan: dict[str, Any] | None,
         flags: dict[str, Any],
         runtime: Callable[[], Runtime | None],
-        sample: Callable[[Runtime | None, int, Sequence[Task]], tuple[list[Tree], Any]],
+        sample_block: Callable[[Runtime | None, int, Sequence[Task]], tuple[list[Tree], Any]],
         log: Callable[[str], None],
     ) -> tuple[list[Block], str | None, float]:
         """Every block, in order, the sha256 of the weights that sampled them, and the seconds
@@ -158,7 +158,7 @@ class SavedBlocks:
         The blocks saved under `plan` are read back; `runtime()` builds what samples the others
         (None for a scripted policy), whose weights must be those the plan started with; the
         directory is marked, a new plan (`flags` and the task ids) written, and each missing
-        block sampled (`sample(rt, k, tasks)`) and saved as it finishes. A stop says how many
+        block sampled (`sample_block(rt, k, tasks)`) and saved as it finishes. A stop says how many
         tasks are saved and how to continue."""
         t0 = time.perf_counter()
         done = self.finished(blocks) if plan is not None else {}
@@ -181,7 +181,7 @@ class SavedBlocks:
                 if k in done:
                     continue
                 b0 = time.perf_counter()
-                trees, stats = sample(rt, k, tasks)
+                trees, stats = sample_block(rt, k, tasks)
                 block = Block(trees, time.perf_counter() - b0, stats)
                 self.save(k, block)
                 done[k] = block  # counted as saved only once it is
@@ -199,6 +199,19 @@ class SavedBlocks:
 
     def clear(self) -> None:
         shutil.rmtree(self.dir)
+
+
+def joined(blocks: Sequence[Block]) -> tuple[list[Tree], RolloutStats | None]:
+    """The blocks' trees in order, and their counters summed (None unless every block has
+    them: a scripted policy counts nothing)."""
+    trees = [tree for block in blocks for tree in block.trees]
+    counted = [block.stats for block in blocks if block.stats is not None]
+    if not counted or len(counted) < len(blocks):
+        return trees, None
+    stats = RolloutStats()
+    for block_stats in counted:
+        stats.add(block_stats)
+    return trees, stats
 
 
 def cut(tasks: Sequence[Task], n: int) -> list[list[Task]]:

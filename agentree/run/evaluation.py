@@ -33,6 +33,7 @@ from agentree.run.blocks import (
     block_seed,
     cut,
     in_block,
+    joined,
     planned_tasks,
     seeded,
 )
@@ -130,15 +131,11 @@ def run_eval(
 
     flags = {"tasks": spec, "samples": samples}
     finished, sha256, wall_s = saved.sample(cfg, blocks, plan, flags, runtime, sample, log)
-    trees = [tree for block in finished for tree in block.trees]
+    trees, stats = joined(finished)
     result = summarise(trees, cfg.policy.path, wall_s)
     if sha256:  # the weights behind the figure: one recipe has built different ones
         result["summary"]["policy_sha256"] = sha256
-    counted = [block.stats for block in finished if block.stats is not None]
-    if counted and len(counted) == len(finished):  # a model sampled every block
-        stats = RolloutStats()
-        for block_stats in counted:
-            stats.add(block_stats)
+    if stats is not None:  # a model sampled every block
         result["rollout_stats"] = stats.to_dict()
     _write(out_dir, trees, result)
     saved.clear()

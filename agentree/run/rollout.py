@@ -23,6 +23,7 @@ from agentree.run.blocks import (
     block_seed,
     cut,
     in_block,
+    joined,
     planned_tasks,
     seeded,
 )
@@ -83,11 +84,8 @@ def run_rollout(
 
     flags = {"tasks": tasks, "save_every": save_every}
     finished, _, _ = saved.sample(cfg, blocks, plan, flags, runtime, sample, log)
-    trees = [tree for block in finished for tree in block.trees]
-    stats = RolloutStats()
-    for block in finished:
-        assert block.stats is not None
-        stats.add(block.stats)
+    trees, stats = joined(finished)
+    assert stats is not None  # every block was sampled by the controller
     summary = summarise(cfg, trees, stats)
     save_trees(trees, out_dir / "trees")
     write_whole(out_dir / "rollout_stats.json", json.dumps(summary, indent=1))
