@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentree.prompts import render
-from agentree.tools import CallFormat, HermesFormat, ToolAction, call_format
+from agentree.tools import CallFormat, ToolAction, written_format
 
 _SENTINEL_USER = "\x00AGENTREE_USER\x00"
 _SENTINEL_ASSISTANT = "\x00AGENTREE_ASSISTANT\x00"
@@ -42,8 +42,8 @@ class ChatFormat:
     """Builds prompt and observation ids for a chat model from its chat template.
 
     `tool_format` names how the policy writes tool calls (`agentree.tools`): `hermes`,
-    `llama3_json`, `pythonic`, or `text` (free-text actions; an env with tools then reads the
-    generic rendering's `hermes` calls).
+    `llama3_json`, `pythonic`, `qwen3_coder`, or `text` (free-text actions; an env with tools
+    then reads the generic rendering's `hermes` calls).
     """
 
     def __init__(self, tokenizer: Any, tool_format: str = "text") -> None:
@@ -53,8 +53,7 @@ class ChatFormat:
                 "(set tokenizer.chat_template or use an instruct checkpoint)"
             )
         self.tokenizer = tokenizer
-        configured = call_format(tool_format)
-        self.tool_format: CallFormat = configured if configured.generic_prompt else HermesFormat()
+        self.tool_format: CallFormat = written_format(tool_format)
         """The format tool calls are rendered and parsed in."""
         closed = self._render(self._base(), generation_prompt=False)
         if _SENTINEL_ASSISTANT not in closed:

@@ -55,8 +55,9 @@ class PolicyConfig(_Section):
     """auto, cpu, cuda, cuda:1, ..."""
     tool_format: str = "text"
     """How the policy writes tool calls for envs with tools (`agentree.tools`): hermes (Qwen,
-    Hermes), llama3_json, pythonic, or text (free-text actions; a tool env reads the generic
-    rendering's hermes calls)."""
+    Hermes), llama3_json, pythonic, qwen3_coder (Qwen3-Coder's XML), or text (free-text
+    actions; a tool env reads the generic rendering's hermes calls). Warm builds write their
+    demonstrations' calls in it."""
 
 
 class EngineConfig(_Section):

@@ -70,10 +70,18 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
             return local_policy(warm.base, log)
         path = "tiny"
     if path == "tiny":
-        out = tiny_policy_for_env(env_name, env_kwargs, cfg.policy.tiny, log=log)
+        out = tiny_policy_for_env(
+            env_name, env_kwargs, cfg.policy.tiny, log=log, tool_format=cfg.policy.tool_format
+        )
     else:
         out = warm_policy_for_env(
-            env_name, env_kwargs, cfg.policy.tiny, warm, log, cfg.engine.history_window
+            env_name,
+            env_kwargs,
+            cfg.policy.tiny,
+            warm,
+            log,
+            cfg.engine.history_window,
+            cfg.policy.tool_format,
         )
     log(f"{path} policy for {env_name}: {out} ({time.perf_counter() - t0:.1f}s)")
     return str(out)

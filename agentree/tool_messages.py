@@ -10,15 +10,12 @@ the completion read back into an assistant message with `tool_calls` (finish rea
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentree.chat import ChatFormat
 from agentree.tools import ToolCall, tool_schemas
-
-_HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.S)
 
 
 class ToolRequestError(ValueError):
@@ -109,6 +106,6 @@ def completion_message(
     action = chat.tool_format.parse_action(text, tools)
     if action.error or not action.calls:
         return message, finish_reason
-    rest = _HERMES_BLOCK.sub("", text).strip() if chat.tool_format.name == "hermes" else ""
+    rest = chat.tool_format.content(text)
     calls = [ToolCall(c.name, c.arguments, new_id()).to_openai() for c in action.calls]
     return {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"

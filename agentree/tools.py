@@ -11,6 +11,9 @@ by name reads them back:
 - `llama3_json`: a bare JSON object `{"name": ..., "parameters": {...}}` (Llama 3.x), optionally
   after `<|python_tag|>`; several objects separated by `;` or newlines.
 - `pythonic`: a Python list of calls, `[move(direction="up"), submit()]` (Llama 3.2/4).
+- `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>`, a tag for each parameter with its value written raw (Qwen3-Coder); values are read
+  back in the types the tool's schema declares.
 - `text`: no parsing; the env reads the free text itself (every env before tools).
 
 A parsed turn reaches `Env.step` as a `ToolAction`: a `str` holding the raw text, so envs that
@@ -198,16 +201,23 @@ class CallFormat:
     """Prompt template (under `agentree/prompts/`) that teaches this format to a model whose
     chat template cannot render tools; None for `text`."""
 
-    def parse(self, text: str) -> list[ToolCall]:
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
+        """The calls in `text`. `schemas` are the declared tools, for formats that write values
+        untyped and read them back in the schema's types (`qwen3_coder`); the others ignore it."""
         raise NotImplementedError
 
     def format(self, calls: Sequence[ToolCall]) -> str:
         raise NotImplementedError
 
+    def content(self, text: str) -> str:
+        """The text of a turn around its calls (an API reply's `content`): none where the calls
+        are the whole turn, as in the JSON and Python formats."""
+        return ""
+
     def parse_action(self, text: str, schemas: Sequence[dict[str, Any]]) -> ToolAction:
         """`text` with its calls, or with the first reason it is not a well-formed call."""
         try:
-            calls = self.parse(text)
+            calls = self.parse(text, schemas)
         except ValueError as e:
             return ToolAction(text, (), f"malformed tool call: {e}.")
         if not calls:
@@ -226,11 +236,13 @@ class TextFormat(CallFormat):
 
     name = "text"
 
-    def parse(self, text: str) -> list[ToolCall]:
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
         return []
 
     def format(self, calls: Sequence[ToolCall]) -> str:
-        raise ValueError("the text format has no tool calls; pick hermes, llama3_json or pythonic")
+        raise ValueError(
+            "the text format has no tool calls; pick hermes, llama3_json, pythonic or qwen3_coder"
+        )
 
 
 def _call_from_json(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall:
@@ -255,23 +267,126 @@ class HermesFormat(CallFormat):
     generic_prompt = "tools/hermes.txt"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
-    def parse(self, text: str) -> list[ToolCall]:
-        calls = []
-        for body in self._BLOCK.findall(text):
-            try:
-                obj = json.loads(body.strip())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the <tool_call> body is not JSON ({e.msg})") from None
-            calls.append(_call_from_json(obj, ("arguments", "parameters")))
-        return calls
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
+        return [self._call(body, schemas) for body in self._BLOCK.findall(text)]
+
+    def _call(self, body: str, schemas: Sequence[dict[str, Any]]) -> ToolCall:
+        """The call in one `<tool_call>` block's body."""
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the <tool_call> body is not JSON ({e.msg})") from None
+        return _call_from_json(obj, ("arguments", "parameters"))
 
     def format(self, calls: Sequence[ToolCall]) -> str:
-        return "\n".join(
-            "<tool_call>\n"
-            + json.dumps({"name": c.name, "arguments": c.arguments})
-            + "\n</tool_call>"
-            for c in calls
+        return "\n".join(f"<tool_call>\n{self._body(c)}\n</tool_call>" for c in calls)
+
+    def _body(self, call: ToolCall) -> str:
+        return json.dumps({"name": call.name, "arguments": call.arguments})
+
+    def content(self, text: str) -> str:
+        return self._BLOCK.sub("", text).strip()
+
+
+class Qwen3CoderFormat(HermesFormat):
+    """`<tool_call>` blocks holding `<function=NAME>` and a `<parameter=KEY>` tag for each value
+    (Qwen3-Coder), as its chat template writes a call:
+
+        <tool_call>
+        <function=file_editor>
+        <parameter=command>
+        view
+        </parameter>
+        <parameter=view_range>
+        [1, 20]
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value is written raw (a string as it is, over as many lines as it has; an object or a list
+    as JSON; another scalar as the template's `string` filter writes it), one newline after the
+    opening tag and one before the closing tag belonging to the markup. So the text alone does
+    not say `5` from `"5"`: a value is read back in the type the tool's schema declares for its
+    parameter (integer, number, boolean, null, or object/array as JSON or a Python literal), and
+    stays a string where the schema says string, names no type, or the text is not of the type
+    (which the schema check then reports).
+    """
+
+    name = "qwen3_coder"
+    generic_prompt = "tools/qwen3_coder.txt"
+    _FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(?:</function>|$)", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+    def _call(self, body: str, schemas: Sequence[dict[str, Any]]) -> ToolCall:
+        m = self._FUNCTION.search(body)
+        if m is None:
+            raise ValueError("a <tool_call> must hold <function=NAME> ... </function>")
+        name = m.group(1).strip()
+        if not name:
+            raise ValueError("<function=...> names no function")
+        props = _properties(name, schemas)
+        args: dict[str, Any] = {}
+        for key, raw in self._PARAMETER.findall(m.group(2)):
+            key = key.strip()
+            if key in args:
+                raise ValueError(f"{name}: parameter {key!r} is given twice")
+            value = raw[1:] if raw.startswith("\n") else raw
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _typed(value, props.get(key))
+        return ToolCall(name, args)
+
+    def _body(self, call: ToolCall) -> str:
+        params = "".join(
+            f"<parameter={k}>\n{_raw(v)}\n</parameter>\n" for k, v in call.arguments.items()
         )
+        return f"<function={call.name}>\n{params}</function>"
+
+
+def _properties(name: str, schemas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The declared parameters of tool `name` ({} for an undeclared tool)."""
+    for s in schemas:
+        if s["function"]["name"] == name:
+            return (s["function"].get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def _raw(value: Any) -> str:
+    """A value as Qwen3-Coder's template writes it: JSON for objects and lists, else `str`."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)
+
+
+def _typed(text: str, schema: dict[str, Any] | None) -> Any:
+    """`text` in the first type the parameter's schema allows that reads it, else the text."""
+    declared = (schema or {}).get("type")
+    types = [declared] if isinstance(declared, str) else list(declared or [])
+    for t in types:
+        if t == "null" and text.strip() in ("null", "None"):
+            return None
+        if t in ("integer", "number", "boolean"):
+            value = _literal(text.strip())
+            if isinstance(value, bool) and t == "boolean":
+                return value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, float) and t == "number":
+                return value
+        if t in ("object", "array"):
+            value = _literal(text.strip())
+            if isinstance(value, dict if t == "object" else list):
+                return value
+    return text
+
+
+def _literal(text: str) -> Any:
+    """`text` as JSON, else as a Python literal (`True`, `{'a': 1}`), else None."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
 
 
 class Llama3JsonFormat(CallFormat):
@@ -280,7 +395,7 @@ class Llama3JsonFormat(CallFormat):
     name = "llama3_json"
     generic_prompt = "tools/llama3_json.txt"
 
-    def parse(self, text: str) -> list[ToolCall]:
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
         body = text.replace("<|python_tag|>", "").strip()
         if not body.startswith("{"):
             return []
@@ -306,7 +421,7 @@ class PythonicFormat(CallFormat):
     name = "pythonic"
     generic_prompt = "tools/pythonic.txt"
 
-    def parse(self, text: str) -> list[ToolCall]:
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
         body = text.replace("<|python_start|>", "").replace("<|python_end|>", "").strip()
         if not body.startswith("["):
             return []
@@ -351,13 +466,22 @@ CALL_FORMATS: Registry[type[CallFormat]] = Registry(
         "hermes": "agentree.tools:HermesFormat",
         "llama3_json": "agentree.tools:Llama3JsonFormat",
         "pythonic": "agentree.tools:PythonicFormat",
+        "qwen3_coder": "agentree.tools:Qwen3CoderFormat",
     },
 )
 
 
 def call_format(name: str) -> CallFormat:
-    """The parser registered as `name` (text, hermes, llama3_json, pythonic or module:Class)."""
+    """The parser registered as `name` (text, hermes, llama3_json, pythonic, qwen3_coder or
+    module:Class)."""
     return CALL_FORMATS.get(name)()
+
+
+def written_format(name: str) -> CallFormat:
+    """The format calls are written and read in under `policy.tool_format` `name`: that format,
+    or Hermes for `text` (an env with tools then reads the generic rendering's Hermes calls)."""
+    fmt = call_format(name)
+    return fmt if fmt.generic_prompt else HermesFormat()
 
 
 def as_tool_action(

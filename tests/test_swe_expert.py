@@ -292,22 +292,25 @@ def test_warm_policy_acts_well_formed_on_held_out_files(tmp_path):
     assert expert.warm_policy(records, cfg, out_dir=path) == path
 
 
+SMALL = TinyModelConfig(
+    vocab_size=256,
+    min_frequency=2,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    intermediate_size=64,
+)
+"""A policy small enough to build twice in a test."""
+
+
 @pytest.mark.slow  # two one-epoch builds of a 32-wide policy: about 15 s
 def test_warm_policy_with_a_history_window_trains_turn_by_turn(tmp_path, monkeypatch):
     """`WarmConfig.history` (`agentree swe warm --history K`): one example per expert turn, laid
     out as the rollouts show it under engine.history=last:K; its own cache entry."""
     monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path / "cache"))
     records = _records(["durations", "roman"], 2)
-    small = TinyModelConfig(
-        vocab_size=256,
-        min_frequency=2,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        intermediate_size=64,
-    )
-    whole = expert.WarmConfig(model=small, renamed_copies=0, epochs=1, batch_size=4)
+    whole = expert.WarmConfig(model=SMALL, renamed_copies=0, epochs=1, batch_size=4)
     window = whole.model_copy(update={"history": 2})
     convs = [json.loads(x)["messages"] for x in _written(records, whole, tmp_path)]
     answers = sum(m["role"] == "assistant" for c in convs for m in c)
@@ -320,6 +323,40 @@ def test_warm_policy_with_a_history_window_trains_turn_by_turn(tmp_path, monkeyp
     assert json.loads((plain / "sft.json").read_text())["examples"] == len(convs)
     saved = expert.WarmConfig.model_validate_json((path / expert.WARM_CONFIG).read_text())
     assert saved.history == 2
+
+
+@pytest.mark.slow  # two one-epoch builds of a 32-wide policy: about 15 s
+def test_a_tool_mode_warm_policy_writes_its_calls_in_the_chosen_format(tmp_path, monkeypatch):
+    """`agentree swe warm --action-format tools --tool-format F`: the calls are fine-tuned in F,
+    a build of its own; Hermes, the format of every earlier build, keeps their key."""
+    from agentree.hub.store import content_key
+
+    monkeypatch.setenv("AGENTREE_CACHE", str(tmp_path / "cache"))
+    records = _records(["durations"], 2)
+    hermes = expert.WarmConfig(
+        model=SMALL, renamed_copies=0, epochs=1, batch_size=4, action_format="tools"
+    )
+    xml = hermes.model_copy(update={"tool_format": "qwen3_coder"})
+    before = hermes.model_dump(exclude={"history", "tool_format"})  # the key's fields until now
+    convs = expert._conversations(records, hermes)
+    plain = expert.warm_policy(records, hermes, log=lambda _: None)
+    assert plain.name == content_key({"convs": convs, "cfg": before, "v": 3})
+    path = expert.warm_policy(records, xml, log=lambda _: None)
+    assert path != plain
+    saved = expert.WarmConfig.model_validate_json((path / expert.WARM_CONFIG).read_text())
+    assert saved.tool_format == "qwen3_coder"
+    # the tokenizer learned its merges from the calls as the policy writes them
+    from transformers import AutoTokenizer
+
+    from agentree.tools import ToolCall, call_format
+
+    def tokens(build: Path, fmt: str) -> int:
+        call = call_format(fmt).format([ToolCall("execute_bash", {"command": "ls"})])
+        return len(AutoTokenizer.from_pretrained(build).tokenize(call))
+
+    assert tokens(path, "qwen3_coder") < tokens(plain, "qwen3_coder")
+    with pytest.raises(ValueError, match="unknown tool call format 'xml'"):
+        expert.WarmConfig(tool_format="xml")
 
 
 def _written(records: list[dict], cfg: expert.WarmConfig, tmp_path: Path) -> list[str]:

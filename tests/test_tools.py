@@ -1,4 +1,4 @@
-"""Native tool calling: schemas, argument validation, the four call formats on hand-written
+"""Native tool calling: schemas, argument validation, the five call formats on hand-written
 model outputs (malformed ones included), the rendering of tools through a chat template, and
 token-exact multi-turn tool rollouts on the real SmolLM2 tokenizer and on a template that
 re-renders history (Qwen3-style reasoning stripping)."""
@@ -175,12 +175,108 @@ def test_pythonic_reads_a_list_of_keyword_calls():
         assert error in _parse("pythonic", text).error
 
 
+# Parameters of every JSON type, to read Qwen3-Coder's untyped values back by.
+TYPED = {
+    "type": "function",
+    "function": {
+        "name": "typed",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "text": {"type": "string"},
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "range": {"type": "array", "items": {"type": "integer"}},
+                "opts": {"type": "object"},
+                "maybe": {"type": ["integer", "null"]},
+                "free": {},
+            },
+        },
+    },
+}
+
+
+def test_qwen3_coder_reads_xml_calls_in_the_types_the_schema_declares():
+    """Written as Qwen3-Coder's chat template writes a call: values raw between newlines, so
+    `007` is a string or the integer 7 only by the schema."""
+    text = (
+        "I will look first.\n<tool_call>\n<function=typed>\n"
+        "<parameter=text>\n007\n</parameter>\n<parameter=count>\n7\n</parameter>\n"
+        "<parameter=ratio>\n0.5\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
+        "<parameter=range>\n[1, 20]\n</parameter>\n"
+        "<parameter=opts>\n{'a': 1}\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
+        "<parameter=free>\n[1]\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=edit>\n<parameter=path>\na.py\n</parameter>\n"
+        "<parameter=old_str>\n    x = 1\n\n    y = 2\n</parameter>\n</function>\n</tool_call>"
+    )
+    action = call_format("qwen3_coder").parse_action(text, tool_schemas([TYPED, edit]))
+    assert action.error is None
+    typed, edited = action.calls
+    assert typed.arguments == {
+        "text": "007",
+        "count": 7,
+        "ratio": 0.5,
+        "flag": True,
+        "range": [1, 20],
+        "opts": {"a": 1},
+        "maybe": None,
+        "free": "[1]",  # no declared type: the text as written
+    }
+    # a multi-line value keeps its inner newlines and indentation, less the markup's two
+    assert edited.arguments == {"path": "a.py", "old_str": "    x = 1\n\n    y = 2"}
+    assert call_format("qwen3_coder").content(text) == "I will look first."
+    # cut off after a value (max_tokens, or a stop at </parameter>): what was written counts
+    cut = _parse("qwen3_coder", "<tool_call>\n<function=move>\n<parameter=direction>\nup\n")
+    assert cut.error is None and cut.calls[0].arguments == {"direction": "up"}
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("Going up.", "no tool call found; call one of: move, edit."),
+        ("<tool_call>\nmove up\n</tool_call>", "must hold <function=NAME>"),
+        ("<tool_call><function=>\n</function></tool_call>", "names no function"),
+        (
+            "<tool_call><function=move><parameter=direction>up</parameter>"
+            "<parameter=direction>down</parameter></function></tool_call>",
+            "parameter 'direction' is given twice",
+        ),
+        ("<tool_call><function=move>\n</function></tool_call>", "'direction' is a required"),
+        (
+            "<tool_call><function=move><parameter=direction>\nnorth\n</parameter></function>"
+            "</tool_call>",
+            "'north' is not one of",
+        ),
+        (
+            "<tool_call><function=edit><parameter=path>a</parameter><parameter=old_str>b"
+            "</parameter><parameter=count>\ntwice\n</parameter></function></tool_call>",
+            "'twice' is not of type 'integer'",
+        ),
+    ],
+)
+def test_qwen3_coder_malformed_calls_become_one_sentence_errors(text, error):
+    action = _parse("qwen3_coder", text)
+    assert action.error is not None and error in action.error and action.error.endswith(".")
+
+
 def test_text_format_reads_no_calls_and_each_format_round_trips():
     assert call_format("text").parse("<tool_call>{}</tool_call>") == []
-    calls = [ToolCall("move", {"direction": "up"}), ToolCall("edit", {"path": "a", "old_str": "b"})]
-    for fmt in ("hermes", "llama3_json", "pythonic"):
+    calls = [
+        ToolCall("move", {"direction": "up"}),
+        ToolCall("edit", {"path": "a", "old_str": "b\n  c", "new_str": "007", "count": 2}),
+    ]
+    for fmt in ("hermes", "llama3_json", "pythonic", "qwen3_coder"):
         back = _parse(fmt, call_format(fmt).format(calls))
+        assert back.error is None, fmt
         assert [(c.name, c.arguments) for c in back.calls] == [(c.name, c.arguments) for c in calls]
+    typed = {"text": "x", "count": 3, "ratio": 2.5, "flag": False, "range": [1], "opts": {"k": []}}
+    fmt = call_format("qwen3_coder")
+    back = fmt.parse_action(fmt.format([ToolCall("typed", typed)]), tool_schemas([TYPED]))
+    assert back.calls[0].arguments == typed
+    # the text around the calls, as an API reply's content: none where calls are the whole turn
+    assert call_format("hermes").content("Up.\n" + call_format("hermes").format(calls)) == "Up."
+    assert call_format("pythonic").content(call_format("pythonic").format(calls)) == ""
     with pytest.raises(ValueError, match="unknown tool call format 'xml'"):
         call_format("xml")
     assert ToolCall("move", {"direction": "up"}).readable() == 'move(direction="up")'
@@ -229,6 +325,10 @@ def test_chatml_without_tools_support_gets_the_generic_rendering(smol_tokenizer)
     )
     pythonic = ChatFormat(smol_tokenizer, "pythonic")
     assert "[func_name1(" in smol_tokenizer.decode(pythonic.prompt_ids("x", None, [MOVE]))
+    qwen = smol_tokenizer.decode(
+        ChatFormat(smol_tokenizer, "qwen3_coder").prompt_ids("x", None, [MOVE])
+    )
+    assert json.dumps(MOVE) in qwen and "<function=function_name>\n<parameter=" in qwen
 
 
 # A Qwen3-style template: tools in the system turn, tool results in user turns, and the
@@ -498,9 +598,39 @@ def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_c
         )
 
 
-def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_tokenizer):
+def test_a_qwen3_coder_policy_is_served_its_history_and_replies_in_its_own_format(
+    smol_tokenizer,
+):
+    """A client's earlier `tool_calls` are written in the policy's XML, and its reply's calls
+    come back typed by the request's schemas, with the text before them as content."""
+    from agentree.tool_messages import completion_message, render_request, request_tools
+
+    chat = ChatFormat(smol_tokenizer, "qwen3_coder")
+    tools = request_tools({"tools": [TYPED]})
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "typed", "arguments": '{"count": 3}'},
+    }
+    messages = [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "Counting.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    text = render_request(chat, messages, tools)
+    written = "Counting.\n<tool_call>\n<function=typed>\n<parameter=count>\n3\n</parameter>\n"
+    assert written + "</function>\n</tool_call><|im_end|>" in text
+    reply = "Again.\n" + call_format("qwen3_coder").format([ToolCall("typed", {"count": 4})])
+    message, finish = completion_message(chat, reply, tools, "stop", lambda: "c2")
+    assert finish == "tool_calls" and message["content"] == "Again."
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"count": 4}'
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "pythonic", "qwen3_coder"])
+def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_tokenizer, fmt):
     """`agentree sft` on the expert's tool-call episodes trains on the layout a tool rollout
-    builds: the same prompt (tools declared), the same call text, the same tool turns."""
+    builds, in every call format: the same prompt (tools declared), the same call text, the same
+    tool turns."""
     from agentree.envs.frozenlake import FrozenLakeEnv
     from agentree.models.sft import example_from_messages
     from agentree.models.warm import expert_episode
@@ -512,15 +642,14 @@ def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_toke
             break
     assert success and conv[1]["tool_calls"][0]["function"]["name"] == "move"
     assert [m["role"] for m in conv[:4]] == ["user", "assistant", "tool", "assistant"]
-    chat = ChatFormat(smol_tokenizer, "hermes")
+    chat = ChatFormat(smol_tokenizer, fmt)
     example = example_from_messages(chat, conv, env.system_prompt, tool_schemas(env.tools()))
 
     moves = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in conv[1::2]]
-    hermes = call_format("hermes")
 
     def choose(text: str, i: int) -> str:
         turn = text.count("<|im_start|>assistant") - 1
-        return hermes.format([ToolCall("move", moves[turn])])
+        return call_format(fmt).format([ToolCall("move", moves[turn])])
 
     ctx = RolloutContext(
         engine=ScriptedEngine(smol_tokenizer, choose),

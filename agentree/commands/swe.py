@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from agentree.envs.swe import images, local_suite, runtime
 from agentree.swe import expert, generate
+from agentree.tools import CALL_FORMATS
 
 
 def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
@@ -104,6 +105,12 @@ def add_swe_commands(subparsers: Any) -> argparse.ArgumentParser:
         "--action-format",
         choices=["text", "tools"],
         help="bash blocks (text, the default) or execute_bash/submit tool calls (tools)",
+    )
+    warm.add_argument(
+        "--tool-format",
+        choices=[n for n in CALL_FORMATS.names() if n != "text"],
+        help="with --action-format tools, how the calls are written (the runs' "
+        "policy.tool_format; default hermes)",
     )
     warm.add_argument(
         "--history",
@@ -235,6 +242,7 @@ def warm_command(args: argparse.Namespace) -> int:
         "edit": args.edit,
         "per_task": args.per_task,
         "action_format": args.action_format,
+        "tool_format": args.tool_format,
         "history": args.history,
     }
     if args.policy:  # a pretrained model: its own learning rate, and it copies names already

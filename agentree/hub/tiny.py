@@ -17,8 +17,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentree.envs.base import env_class, validate_env_kwargs
+from agentree.envs.base import Env, env_class, validate_env_kwargs
 from agentree.hub.store import Log, build_once, cache_root, content_key, to_stderr
+from agentree.prompts import render
+from agentree.tools import as_tool_action, tool_schemas, written_format
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML without the system message. A model trained from scratch gains nothing from
@@ -173,9 +175,14 @@ def _random_model(tokenizer, cfg: TinyModelConfig):
 
 
 def tiny_policy_for_env(
-    env_name: str, env_kwargs: dict, cfg: TinyModelConfig, log: Log | None = to_stderr
+    env_name: str,
+    env_kwargs: dict,
+    cfg: TinyModelConfig,
+    log: Log | None = to_stderr,
+    tool_format: str = "text",
 ) -> Path:
-    """Build (or reuse) the tiny policy whose tokenizer is trained on `env_name`'s text."""
+    """Build (or reuse) the tiny policy whose tokenizer is trained on `env_name`'s text, and
+    where the env has tools on its calls as `tool_format` (`policy.tool_format`) writes them."""
     cls = env_class(env_name)
     env = cls(**validate_env_kwargs(cls, env_kwargs))
     try:
@@ -185,9 +192,27 @@ def tiny_policy_for_env(
             tasks = cls.load_tasks(None, seed=0, split="train")
         # the chat template's role names open every turn the policy sees
         corpus = env.corpus(tasks) + ["system\nuser\nassistant\n"] * len(tasks)
+        corpus += written_calls(env, tool_format)
         atomic = [
             a for a in env.example_actions() if len(a) <= 24 and not any(c.isspace() for c in a)
         ]
     finally:
         env.close()
     return build_tiny_policy(corpus, cfg, atomic, what=f"tiny policy for {env_name}", log=log)
+
+
+def written_calls(env: Env, tool_format: str) -> list[str]:
+    """What a tokenizer must cover of the calls in `tool_format` beyond an env's own corpus,
+    which holds them as Hermes writes them: the format's generic rendering of the env's tools
+    and its example calls written in the format (none without tools or for Hermes, so a build
+    keeps its key). A character no text holds is not in a tiny tokenizer at all: the `=` of
+    `<function=move>` would be lost."""
+    fmt = written_format(tool_format)
+    tools = tool_schemas(env.tools())
+    if not tools or fmt.name == "hermes" or fmt.generic_prompt is None:
+        return []
+    listing = "\n".join(json.dumps(t) for t in tools)
+    calls = [as_tool_action(a, tools).calls for a in env.example_actions()]
+    return [render(fmt.generic_prompt, system="", tools=listing)] + [
+        fmt.format(c) for c in calls if c
+    ]

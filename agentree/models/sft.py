@@ -318,12 +318,13 @@ def run_sft(
     log: Callable[[str], None] = print,
     state_dir: str | Path | None = None,
     state_every_s: float = 600.0,
+    tool_format: str = "text",
 ) -> dict[str, Any]:
     """Fine-tune the causal LM at `policy_path` and save it (model + tokenizer) to `output`.
 
     `examples` are `SFTExample`s or conversations (lists of chat messages, tokenised here with
     the policy's chat format; `system` fills in a missing system message, `tools` are the env's
-    tool schemas). Returns a summary
+    tool schemas, and `tool_format` the format their calls are written in). Returns a summary
     (losses per epoch, tokens, wall time), also written to `output/sft.json`.
 
     With `state_dir`, the run writes its state there (weights, optimiser, position in the
@@ -345,7 +346,7 @@ def run_sft(
     data = [
         e
         if isinstance(e, SFTExample)
-        else example_from_messages(ChatFormat(tokenizer), e, system, tools)
+        else example_from_messages(ChatFormat(tokenizer, tool_format), e, system, tools)
         for e in examples
     ]
     data = [_truncate(e, cfg.max_length) for e in data]

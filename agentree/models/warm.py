@@ -45,7 +45,7 @@ from agentree.hub.store import build_once, cache_root, content_key
 from agentree.hub.tiny import TinyModelConfig, tiny_policy_for_env
 from agentree.models.sft import SFTConfig, run_sft, windowed_all
 from agentree.rollout.turn.turns import scripted_episode
-from agentree.tools import ToolCall, as_tool_action, tool_schemas
+from agentree.tools import ToolCall, as_tool_action, tool_schemas, written_format
 
 
 class WarmConfig(BaseModel):
@@ -266,10 +266,12 @@ def build_key(
     base: str,
     warm: WarmConfig,
     history: int | None = None,
+    calls: str | None = None,
 ) -> str:
     """The cache name of a warm build: what determines its weights (the base policy, the env
     settings the build reads, the warm-start settings, the history window its demonstrations
-    are laid out in), nothing else."""
+    are laid out in, the format their tool calls are written in where the env has tools:
+    `calls`, None without tools), nothing else."""
     kw = build_settings(env_name, env_kwargs)
     if kw.get("action_format") == "text":  # added after builds were cached: default stays out
         del kw["action_format"]
@@ -277,7 +279,12 @@ def build_key(
     # a setting at its default stays out of the key when it was added after builds were cached
     keep = warm.model_dump(exclude={"pretrain_turns"} if warm.pretrain_turns == "episode" else None)
     window = {} if history is None else {"history": history}
-    return content_key({"base": base, "env": env_name, "kw": kw, "warm": keep, "v": 3, **window})
+    # Hermes, the format every build with tools wrote before the setting reached builds, keeps
+    # their key
+    written = {} if calls in (None, "hermes") else {"calls": calls}
+    return content_key(
+        {"base": base, "env": env_name, "kw": kw, "warm": keep, "v": 3, **window, **written}
+    )
 
 
 @contextmanager
@@ -330,10 +337,13 @@ def warm_policy_for_env(
     warm: WarmConfig,
     log: Callable[[str], None] = print,
     history: int | None = None,
+    tool_format: str = "text",
 ) -> Path:
     """Build (or reuse) `warm.base` (by default the tiny policy for `env_name`) fine-tuned on
     the noisy expert. With `history` (the window k of `engine.history: last:k`) the episodes are
-    shown turn by turn as the rollouts show them (`windowed`); single turns stay single."""
+    shown turn by turn as the rollouts show them (`windowed`); single turns stay single. Where
+    the env has tools, the demonstrations' calls are written in `tool_format`
+    (`policy.tool_format`), the format the rollouts will read."""
     cls = env_class(env_name)
     if not has_expert(cls):
         raise ValueError(
@@ -342,12 +352,18 @@ def warm_policy_for_env(
         )
     kwargs = build_settings(env_name, env_kwargs)  # all the build below reads
     if warm.base == "tiny":
-        base = tiny_policy_for_env(env_name, kwargs, tiny, log=log)
+        base = tiny_policy_for_env(env_name, kwargs, tiny, log=log, tool_format=tool_format)
         base_id = base.name
     else:
         base = Path(local_policy(warm.base, log)).resolve()
         base_id = str(base)
-    key = build_key(env_name, kwargs, base_id, warm, history)
+    env = cls(**kwargs)
+    try:
+        system, tools = env.system_prompt, tool_schemas(env.tools())
+    finally:
+        env.close()
+    calls = written_format(tool_format).name if tools else None
+    key = build_key(env_name, kwargs, base_id, warm, history, calls)
 
     def phase(
         start: Path,
@@ -381,7 +397,14 @@ def warm_policy_for_env(
             f"{expert.expert_prob} ({epochs} epochs; built once, then cached)"
         )
         run_sft(
-            start, convs, out, sft, system=system, tools=tools, log=lambda m: log(f"{name}: {m}")
+            start,
+            convs,
+            out,
+            sft,
+            system=system,
+            tools=tools,
+            log=lambda m: log(f"{name}: {m}"),
+            tool_format=tool_format,
         )
         log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 
@@ -392,9 +415,6 @@ def warm_policy_for_env(
             run_phases(tmp)
 
     def run_phases(tmp: Path) -> None:
-        env = cls(**kwargs)
-        system, tools = env.system_prompt, tool_schemas(env.tools())
-        env.close()
         if not warm.pretrain_episodes:
             phase(base, tmp, warm, warm.epochs, warm.lr, system, tools=tools)
             return

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentree.chat import ChatFormat
 from agentree.envs.swe.env import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_commands
@@ -52,7 +52,7 @@ from agentree.models.sft import SFTConfig, example_from_messages, run_sft, windo
 from agentree.prompts import load, placeholders, render
 from agentree.swe.generate import fixed_files
 from agentree.swe.mutate import mutations
-from agentree.tools import ToolCall, tool_schemas
+from agentree.tools import ToolCall, call_format, tool_schemas, written_format
 
 TEST_RUN = "python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -n 3"
 GREP = 'grep -rnF --include=*.py --exclude-dir=tests "'
@@ -678,10 +678,19 @@ class WarmConfig(BaseModel):
     action_format: Literal["text", "tools"] = "text"
     """text: bash blocks; tools: the same commands as `execute_bash` calls and `submit`
     (`tool_form`), for SWEEnv's tool mode."""
+    tool_format: str = "hermes"
+    """With `action_format: tools`, the format the calls are written in (`policy.tool_format`
+    of the runs that will use the policy: hermes, llama3_json, pythonic, qwen3_coder)."""
     history: int | None = Field(None, ge=1)
     """The window k of `engine.history: last:k` the policy will roll out with: each trajectory
     is then trained turn by turn as the rollouts show it (`agentree.models.sft.windowed`: the
     task, the last k turns as context, the turn's answer); None: whole trajectories."""
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        call_format(name)  # an unknown name fails here, naming the known ones
+        return name
 
 
 WARM_CONFIG = "swe_warm.json"
@@ -717,7 +726,12 @@ def warm_policy(
     if len(convs) > cfg.max_trajectories:
         convs = random.Random(cfg.seed).sample(convs, cfg.max_trajectories)
     # a setting at its default stays out of the key when it was added after builds were cached
-    late = {"action_format": cfg.action_format == "text", "history": cfg.history is None}
+    fmt = written_format(cfg.tool_format)
+    late = {
+        "action_format": cfg.action_format == "text",
+        "history": cfg.history is None,
+        "tool_format": fmt.name == "hermes" or cfg.action_format == "text",
+    }
     dumped = cfg.model_dump(exclude={k for k, default in late.items() if default})
     key = content_key({"convs": convs, "cfg": dumped, "v": 3})
     target = out_dir or cache_root() / "swe-warm" / key
@@ -731,10 +745,16 @@ def warm_policy(
         return _warm_real_model(examples, cfg, system, target, log, tools)
     corpus = [system, "system\nuser\nassistant\n"] + [m["content"] for c in convs for m in c]
     if tools:  # the generic tools rendering and the calls as the policy writes them
-        chat_text = [json.dumps(t) for t in tools] + [load("tools/hermes.txt")]
-        calls = [
-            json.dumps(c["function"]) for cv in convs for m in cv for c in m.get("tool_calls", [])
-        ]
+        assert fmt.generic_prompt is not None
+        chat_text = [json.dumps(t) for t in tools] + [load(fmt.generic_prompt)]
+        written = [c["function"] for cv in convs for m in cv for c in m.get("tool_calls", [])]
+        if fmt.name == "hermes":  # as every build before other formats wrote it
+            calls = [json.dumps(c) for c in written]
+        else:
+            calls = [
+                fmt.format([ToolCall(c["name"], json.loads(c["arguments"] or "{}"))])
+                for c in written
+            ]
         corpus += chat_text + calls
     shape = cfg.model.model_copy(update={"seed": cfg.seed})
 
@@ -751,6 +771,7 @@ def warm_policy(
             tools=tools,
             log=log,
             state_dir=_sft_state(target),
+            tool_format=cfg.tool_format,
         )
         shutil.rmtree(tmp / "base")
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
@@ -782,7 +803,7 @@ def _warm_real_model(
     from transformers import AutoTokenizer
 
     base = local_policy(cfg.base, log)
-    chat = ChatFormat(AutoTokenizer.from_pretrained(base))
+    chat = ChatFormat(AutoTokenizer.from_pretrained(base), cfg.tool_format)
     lengths = [len(example_from_messages(chat, c, system, tools).token_ids) for c in convs]
     tokens = sum(min(n, cfg.max_length) for n in lengths) * cfg.epochs
     cut = sum(n > cfg.max_length for n in lengths)
@@ -804,7 +825,15 @@ def _warm_real_model(
 
     def write(tmp: Path) -> None:
         run_sft(
-            base, convs, tmp, sft, system=system, tools=tools, log=log, state_dir=_sft_state(target)
+            base,
+            convs,
+            tmp,
+            sft,
+            system=system,
+            tools=tools,
+            log=log,
+            state_dir=_sft_state(target),
+            tool_format=cfg.tool_format,
         )
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
