@@ -32,7 +32,7 @@ from agentree.envs.base import Env, Task, env_class
 from agentree.policy import hf_engine
 from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.scorers.base import NoScorer, Scorer, make_scorer, scorer_class
-from agentree.tools import tool_schemas
+from agentree.tools import as_tool_action, tool_schemas
 from agentree.tree import Tree
 
 
@@ -139,6 +139,7 @@ class LocalRollouts:
         self.scorer = parts.scorer
         self.engine = engine
         self.chat = ChatFormat(tokenizer, cfg.policy.tool_format)
+        check_room_for_a_call(cfg, self.chat, parts)
         self.rng = random.Random(cfg.seed)
         self.make_env = parts.make_env
         self.history = cfg.engine.history_window
@@ -258,6 +259,32 @@ class ThreadRollout:
             raise self._error
         assert self._out is not None
         return self._out
+
+
+def check_room_for_a_call(cfg: ExperimentConfig, chat: ChatFormat, parts: RolloutParts) -> None:
+    """Raise, naming the fix, when `engine.max_tokens` cannot hold even the shortest of the env's
+    example calls as the policy writes them: every action would be cut short and invalid (a
+    `move` call is 35 tokens of the tiny tokenizer in Hermes, against FrozenLake's 8)."""
+    if not parts.tools:
+        return
+    probe = parts.make_env()
+    try:
+        examples = probe.example_actions()
+    finally:
+        probe.close()
+    calls = [c for c in (as_tool_action(a, parts.tools).calls for a in examples) if c]
+    if not calls:
+        return
+    written = min((chat.tool_format.format(c) for c in calls), key=lambda t: len(chat.encode(t)))
+    need = len(chat.encode(written)) + 1  # and the token that ends the turn
+    limit = cfg.engine.max_tokens
+    if need > limit:
+        raise ValueError(
+            f"engine.max_tokens={limit} cuts every tool call short: the shortest example call of "
+            f"the env's tools, {written!r}, is {need} tokens in policy.tool_format "
+            f"{chat.tool_format.name} with the end of the turn; set --set engine.max_tokens="
+            f"{-(-need * 5 // 4 // 16) * 16} (or more)"
+        )
 
 
 def check_not_empty(

@@ -537,6 +537,25 @@ def test_judges_and_prms_read_calls_as_name_and_arguments():
     assert readable_action("```Up```", {}) == "```Up```"  # free text stays as written
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
+def test_a_max_tokens_too_small_for_any_call_is_refused_naming_the_fix(smol_tokenizer, fmt):
+    """FrozenLake's config allows 8 tokens a turn, enough for ```Down``` but not for a `move`
+    call: every call would be cut short and invalid, so the rollouts refuse to start."""
+    from agentree.config import load_config
+    from agentree.rollouts import LocalRollouts, rollout_parts
+
+    tools = ["env.action_format=tools", f"policy.tool_format={fmt}"]
+    cfg = load_config(overrides=[*tools, "engine.max_tokens=8"])
+    parts = rollout_parts(cfg)
+    with pytest.raises(ValueError, match=rf"max_tokens=8 cuts every tool call short.*{fmt}") as e:
+        LocalRollouts(cfg, parts, None, smol_tokenizer)
+    fix = str(e.value).split("--set ")[-1].split(" ")[0]  # engine.max_tokens=N
+    suggested = load_config(overrides=[*tools, fix])
+    LocalRollouts(suggested, rollout_parts(suggested), None, smol_tokenizer)  # the fix fits
+    text = load_config(overrides=["engine.max_tokens=8"])  # moves as text: nothing to fit
+    LocalRollouts(text, rollout_parts(text), None, smol_tokenizer)
+
+
 # -- OpenAI messages with tools (what `agentree serve` answers) -----------------------------------
 def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_calls(
     smol_tokenizer,
