@@ -375,6 +375,48 @@ def test_serve_resolves_tiny_warm_as_train_does() -> None:
         handle.close()
 
 
+def test_serve_renders_requests_with_tools_in_the_policys_call_format(server, capsys) -> None:
+    """`agentree serve --tool-format F` (or the config's `policy.tool_format`) renders a
+    client's earlier calls in F, as the policy was trained to write them: the prompt the
+    server counts is the one F renders, not the Hermes one the default server renders."""
+    from agentree.chat import ChatFormat
+    from agentree.commands.serve import main
+    from agentree.tool_messages import render_request, request_tools
+
+    edit = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "edit", "arguments": '{"n": 1}'}}
+    messages = [
+        {"role": "user", "content": "P _ G"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    tools = request_tools({"tools": [edit]})
+
+    def prompt_tokens(handle) -> int:
+        c = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(
+            model=handle.api.model_name, messages=messages, tools=[edit], max_tokens=1
+        )
+        c.close()
+        return r.usage.prompt_tokens
+
+    def rendered(fmt: str) -> int:
+        chat = ChatFormat(server.api.tokenizer, fmt)
+        return len(chat.encode(render_request(chat, messages, tools)))
+
+    xml = start_server(
+        "tiny", backend="transformers", tool_format="qwen3_coder", log_fn=lambda m: None
+    )
+    try:
+        assert prompt_tokens(xml) == rendered("qwen3_coder") != rendered("hermes")
+    finally:
+        xml.close()
+    assert prompt_tokens(server) == rendered("hermes")  # the default config: text, read as Hermes
+    with pytest.raises(SystemExit):
+        main(["--tool-format", "xml"])
+    assert "invalid choice: 'xml'" in capsys.readouterr().err
+
+
 def test_without_the_serve_extra_is_one_clear_error(monkeypatch, capsys) -> None:
     from agentree.commands.serve import main
 

@@ -46,6 +46,7 @@ from agentree.commands.serve_api import MAX_BODY_BYTES, APIError, Batcher, OpenA
 from agentree.config import load_config
 from agentree.policy import build_engine, resolve_policy
 from agentree.signals import interrupt_on_sigterm
+from agentree.tools import CALL_FORMATS
 
 __all__ = ["APIError", "Batcher", "OpenAIServer", "ServerHandle", "serve", "start_server"]
 
@@ -160,19 +161,27 @@ def start_server(
     idle_timeout: float = 5.0,
     max_body_bytes: int = MAX_BODY_BYTES,
     vllm_kwargs: dict[str, Any] | None = None,
+    tool_format: str | None = None,
     log_fn: Callable[[str], None] = print,
 ) -> ServerHandle:
     """Load the policy and serve it from a background thread; `close()` the handle when done.
 
     `policy` is resolved as `agentree train` resolves `--policy` (with `env` and `config`
-    choosing the env a `tiny`/`tiny-warm` policy is built for)."""
+    choosing the env a `tiny`/`tiny-warm` policy is built for). Requests with tools are rendered
+    and read back in `tool_format`, by default the config's `policy.tool_format`: the format
+    the policy was trained to write its calls in."""
     require_serve_extra()  # before a model is loaded
     cfg = load_config(config, select={"policy": policy, "env": env})
     cfg = cfg.model_validate(
         {
             **cfg.model_dump(),
             "seed": seed,
-            "policy": {**cfg.policy.model_dump(), "dtype": dtype, "device": device},
+            "policy": {
+                **cfg.policy.model_dump(),
+                "dtype": dtype,
+                "device": device,
+                "tool_format": tool_format or cfg.policy.tool_format,
+            },
             "engine": {
                 **cfg.engine.model_dump(),
                 "backend": backend,
@@ -192,6 +201,7 @@ def start_server(
             default_max_tokens=default_max_tokens,
             max_batch=max_batch,
             aliases=[policy, path],
+            tool_format=cfg.policy.tool_format,
         )
         handle = ServerHandle(
             api, host, port, idle_timeout, close_engine=True, max_body_bytes=max_body_bytes
@@ -269,6 +279,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--env", default=None, help="env whose tiny policy --policy tiny builds")
     p.add_argument("--config", default=None, help="config whose tiny policy settings to use")
+    p.add_argument(
+        "--tool-format",
+        default=None,
+        choices=CALL_FORMATS.names(),
+        help="how the policy writes tool calls, for requests with tools (default: the "
+        "config's policy.tool_format; text and hermes both read Hermes calls)",
+    )
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
@@ -286,6 +303,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         env=args.env,
         config=args.config,
         vllm_kwargs=_vllm_options(args),
+        tool_format=args.tool_format,
     )
     return 0
 
