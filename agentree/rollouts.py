@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import random
 import threading
 from collections import Counter
@@ -264,7 +265,7 @@ class ThreadRollout:
 def check_room_for_a_call(cfg: ExperimentConfig, chat: ChatFormat, parts: RolloutParts) -> None:
     """Raise, naming the fix, when `engine.max_tokens` cannot hold even the shortest of the env's
     example calls as the policy writes them: every action would be cut short and invalid (a
-    `move` call is 35 tokens of the tiny tokenizer in Hermes, against FrozenLake's 8)."""
+    `move` call is 25 tokens of the tiny tokenizer in Hermes, against FrozenLake's 8)."""
     if not parts.tools:
         return
     probe = parts.make_env()
@@ -279,11 +280,12 @@ def check_room_for_a_call(cfg: ExperimentConfig, chat: ChatFormat, parts: Rollou
     need = len(chat.encode(written)) + 1  # and the token that ends the turn
     limit = cfg.engine.max_tokens
     if need > limit:
+        roomy = 16 * math.ceil(need * 1.25 / 16)  # a quarter more, for longer arguments
         raise ValueError(
             f"engine.max_tokens={limit} cuts every tool call short: the shortest example call of "
             f"the env's tools, {written!r}, is {need} tokens in policy.tool_format "
             f"{chat.tool_format.name} with the end of the turn; set --set engine.max_tokens="
-            f"{-(-need * 5 // 4 // 16) * 16} (or more)"
+            f"{roomy} (or more)"
         )
 
 
