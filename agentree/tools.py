@@ -356,9 +356,13 @@ def _raw(value: Any) -> str:
 
 
 def _typed(text: str, schema: dict[str, Any] | None) -> Any:
-    """`text` in the first type the parameter's schema allows that reads it, else the text."""
-    declared = (schema or {}).get("type")
-    types = [declared] if isinstance(declared, str) else list(declared or [])
+    """`text` in the first type the parameter's schema allows that reads it (its `type`, or the
+    types of its `anyOf`/`oneOf` branches, as pydantic writes `int | None`), else the text."""
+    schema = schema or {}
+    types: list[str] = []
+    for part in [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]:
+        declared = part.get("type") if isinstance(part, dict) else None
+        types += [declared] if isinstance(declared, str) else list(declared or [])
     for t in types:
         if t == "null" and text.strip() in ("null", "None"):
             return None

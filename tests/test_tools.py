@@ -190,6 +190,7 @@ TYPED = {
                 "range": {"type": "array", "items": {"type": "integer"}},
                 "opts": {"type": "object"},
                 "maybe": {"type": ["integer", "null"]},
+                "either": {"anyOf": [{"type": "integer"}, {"type": "null"}]},  # pydantic's
                 "free": {},
             },
         },
@@ -206,7 +207,8 @@ def test_qwen3_coder_reads_xml_calls_in_the_types_the_schema_declares():
         "<parameter=ratio>\n0.5\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
         "<parameter=range>\n[1, 20]\n</parameter>\n"
         "<parameter=opts>\n{'a': 1}\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
-        "<parameter=free>\n[1]\n</parameter>\n</function>\n</tool_call>\n"
+        "<parameter=either>\n3\n</parameter>\n<parameter=free>\n[1]\n</parameter>\n"
+        "</function>\n</tool_call>\n"
         "<tool_call>\n<function=edit>\n<parameter=path>\na.py\n</parameter>\n"
         "<parameter=old_str>\n    x = 1\n\n    y = 2\n</parameter>\n</function>\n</tool_call>"
     )
@@ -221,6 +223,7 @@ def test_qwen3_coder_reads_xml_calls_in_the_types_the_schema_declares():
         "range": [1, 20],
         "opts": {"a": 1},
         "maybe": None,
+        "either": 3,
         "free": "[1]",  # no declared type: the text as written
     }
     # a multi-line value keeps its inner newlines and indentation, less the markup's two
