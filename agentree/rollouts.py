@@ -33,7 +33,7 @@ from agentree.envs.base import Env, Task, env_class
 from agentree.policy import hf_engine
 from agentree.rollout.base import Controller, RolloutContext, RolloutStats, make_controller
 from agentree.scorers.base import NoScorer, Scorer, make_scorer, scorer_class
-from agentree.tools import as_tool_action, tool_schemas
+from agentree.tools import ToolCall, example_calls, tool_schemas
 from agentree.tree import Tree
 
 
@@ -89,6 +89,9 @@ class RolloutParts:
     tools: list[dict[str, Any]] = field(default_factory=list)
     """The env's tool schemas (`tool_schemas(env.tools())`); empty: free-text actions. Like
     `env_stop`, read once from a probe env when the parts are built."""
+    example_calls: list[tuple[ToolCall, ...]] = field(default_factory=list)
+    """The calls of the env's example actions (`agentree.tools.example_calls`), from the same
+    probe: the shortest must fit a turn (`check_room_for_a_call`)."""
 
     @property
     def make_env(self) -> Callable[[], Env]:
@@ -123,6 +126,7 @@ def rollout_parts(
     try:
         parts.env_stop = tuple(probe.stop_sequences)
         parts.tools = tool_schemas(probe.tools())
+        parts.example_calls = example_calls(probe)
     finally:
         probe.close()
     return parts
@@ -266,17 +270,11 @@ def check_room_for_a_call(cfg: ExperimentConfig, chat: ChatFormat, parts: Rollou
     """Raise, naming the fix, when `engine.max_tokens` cannot hold even the shortest of the env's
     example calls as the policy writes them: every action would be cut short and invalid (a
     `move` call is 25 tokens of the tiny tokenizer in Hermes, against FrozenLake's 8)."""
-    if not parts.tools:
+    if not parts.example_calls:
         return
-    probe = parts.make_env()
-    try:
-        examples = probe.example_actions()
-    finally:
-        probe.close()
-    calls = [c for c in (as_tool_action(a, parts.tools).calls for a in examples) if c]
-    if not calls:
-        return
-    written = min((chat.tool_format.format(c) for c in calls), key=lambda t: len(chat.encode(t)))
+    written = min(
+        (chat.tool_format.format(c) for c in parts.example_calls), key=lambda t: len(chat.encode(t))
+    )
     need = len(chat.encode(written)) + 1  # and the token that ends the turn
     limit = cfg.engine.max_tokens
     if need > limit:

@@ -152,6 +152,13 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def _of_type(value: Any, json_type: str) -> bool:
+    """`value` is of the JSON Schema type (a bool is no integer or number; unknown types pass)."""
+    if json_type in ("integer", "number") and isinstance(value, bool):
+        return False
+    return isinstance(value, _JSON_TYPES.get(json_type, (object,)))
+
+
 def _subset_problem(value: Any, schema: dict[str, Any], where: str) -> str | None:
     """The JSON Schema subset that function signatures use: type, enum, required,
     properties, additionalProperties, items."""
@@ -159,11 +166,7 @@ def _subset_problem(value: Any, schema: dict[str, Any], where: str) -> str | Non
     types = schema.get("type")
     if types is not None:
         allowed = [types] if isinstance(types, str) else list(types)
-        ok = any(
-            isinstance(value, _JSON_TYPES.get(t, (object,)))
-            and not (t in ("integer", "number") and isinstance(value, bool))
-            for t in allowed
-        )
+        ok = any(_of_type(value, t) for t in allowed)
         if not ok:
             return f"{prefix}{value!r} is not of type {', '.join(map(repr, allowed))}"
     if "enum" in schema and value not in schema["enum"]:
@@ -356,33 +359,27 @@ def _raw(value: Any) -> str:
 
 
 def _typed(text: str, schema: dict[str, Any] | None) -> Any:
-    """`text` in the first type the parameter's schema allows that reads it (its `type`, or the
-    types of its `anyOf`/`oneOf` branches, as pydantic writes `int | None`), else the text."""
+    """`text` read as JSON or a Python literal, if that is of a type the parameter's schema
+    declares (its `type`, or the types of its `anyOf`/`oneOf` branches, as pydantic writes
+    `int | None`) other than string; else the text itself."""
     schema = schema or {}
     types: list[str] = []
     for part in [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]:
         declared = part.get("type") if isinstance(part, dict) else None
         types += [declared] if isinstance(declared, str) else list(declared or [])
-    for t in types:
-        if t == "null" and text.strip() in ("null", "None"):
-            return None
-        if t in ("integer", "number", "boolean"):
-            value = _literal(text.strip())
-            if isinstance(value, bool) and t == "boolean":
-                return value
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if isinstance(value, float) and t == "number":
-                return value
-        if t in ("object", "array"):
-            value = _literal(text.strip())
-            if isinstance(value, dict if t == "object" else list):
-                return value
+    types = [t for t in types if t in _JSON_TYPES and t != "string"]
+    value = _literal(text.strip()) if types else _UNREAD
+    if value is not _UNREAD and any(_of_type(value, t) for t in types):
+        return value
     return text
 
 
+_UNREAD = object()
+"""What `_literal` returns for text that is neither JSON nor a Python literal."""
+
+
 def _literal(text: str) -> Any:
-    """`text` as JSON, else as a Python literal (`True`, `{'a': 1}`), else None."""
+    """`text` as JSON, else as a Python literal (`True`, `{'a': 1}`, `None`), else `_UNREAD`."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -390,7 +387,7 @@ def _literal(text: str) -> Any:
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
+        return _UNREAD
 
 
 class Llama3JsonFormat(CallFormat):
@@ -499,6 +496,16 @@ def as_tool_action(
     if isinstance(action, ToolAction):
         return action
     return call_format(fmt).parse_action(action, schemas)
+
+
+def example_calls(env: Any) -> list[tuple[ToolCall, ...]]:
+    """The calls of each of `env`'s example actions that is a well-formed call of its tools
+    (written as scripted policies write them); none for an env without tools."""
+    schemas = tool_schemas(env.tools())
+    if not schemas:
+        return []
+    actions = [as_tool_action(a, schemas) for a in env.example_actions()]
+    return [a.calls for a in actions if a.calls and a.error is None]
 
 
 def readable_action(action: str | None, info: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentree.envs.base import Env, env_class, validate_env_kwargs
 from agentree.hub.store import Log, build_once, cache_root, content_key, to_stderr
 from agentree.prompts import render
-from agentree.tools import as_tool_action, tool_schemas, written_format
+from agentree.tools import example_calls, tool_schemas, written_format
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML without the system message. A model trained from scratch gains nothing from
@@ -209,10 +209,9 @@ def written_calls(env: Env, tool_format: str) -> list[str]:
     `<function=move>` would be lost."""
     fmt = written_format(tool_format)
     tools = tool_schemas(env.tools())
-    if not tools or fmt.name == "hermes" or fmt.generic_prompt is None:
+    if not tools or fmt.name == "hermes":
         return []
+    assert fmt.generic_prompt is not None  # a format that writes calls teaches itself
     listing = "\n".join(json.dumps(t) for t in tools)
-    calls = [as_tool_action(a, tools).calls for a in env.example_actions()]
-    return [render(fmt.generic_prompt, system="", tools=listing)] + [
-        fmt.format(c) for c in calls if c
-    ]
+    calls = [fmt.format(c) for c in example_calls(env)]
+    return [render(fmt.generic_prompt, system="", tools=listing), *calls]
