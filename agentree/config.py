@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentree.algorithms.advantages import advantage_estimator
 from agentree.envs.base import env_class, format_validation_error
+from agentree.hub.store import recorded_tool_format
 from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
 from agentree.rollout.base import controller_class
@@ -33,6 +34,18 @@ ENV_CONFIGS = {
     "sokoban": "sokoban_patr",
 }
 """The config `--env NAME` starts from when no `--config` is given."""
+
+
+BUILT_POLICIES = {
+    "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
+    "the env's text; built per env in seconds",
+    "tiny-warm": "tiny fine-tuned on a noisy scripted expert of the env; built per env in about "
+    "3-4 min (one thread)",
+    "warm": "policy.warm.base (a pretrained model) fine-tuned on that expert; built per env and "
+    "base",
+}
+"""`policy.path` names agentree builds itself (cached), with what each is; any other value is
+a checkpoint."""
 
 
 class _Section(BaseModel):
@@ -57,7 +70,8 @@ class PolicyConfig(_Section):
     """How the policy writes tool calls for envs with tools (`agentree.tools`): hermes (Qwen,
     Hermes), llama3_json, pythonic, qwen3_coder (Qwen3-Coder's XML), or text (free-text
     actions; a tool env reads the generic rendering's hermes calls). Warm builds write their
-    demonstrations' calls in it."""
+    demonstrations' calls in it. Unset, a policy directory agentree wrote (a checkpoint,
+    `agentree sft`/`export` output) gives the format it was trained in (`POLICY_RECORD`)."""
 
 
 class EngineConfig(_Section):
@@ -415,6 +429,13 @@ def load_config(
                 raise ValueError(f"--set {item}: '{k}' is not a section")
             node = nxt
         node[keys[-1]] = value
+    policy = data.get("policy") or {}
+    path = policy.get("path")
+    if isinstance(path, str) and path not in BUILT_POLICIES and "tool_format" not in policy:
+        # a policy directory agentree wrote says which call format the policy learned
+        recorded = recorded_tool_format(path)
+        if recorded is not None:
+            policy["tool_format"] = recorded
     return validate_config(data)
 
 

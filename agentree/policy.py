@@ -15,23 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentree.config import EngineConfig, ExperimentConfig
+from agentree.config import BUILT_POLICIES, EngineConfig, ExperimentConfig
 from agentree.engines.base import Engine
 from agentree.envs.base import env_class, has_expert
 from agentree.hub.pretrained import local_policy
+from agentree.hub.store import recorded_tool_format
 from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import warm_policy_for_env
-
-BUILT_POLICIES = {
-    "tiny": "a 2-layer Qwen2-architecture model with random weights and a tokenizer trained on "
-    "the env's text; built per env in seconds",
-    "tiny-warm": "tiny fine-tuned on a noisy scripted expert of the env; built per env in about "
-    "3-4 min (one thread)",
-    "warm": "policy.warm.base (a pretrained model) fine-tuned on that expert; built per env and "
-    "base",
-}
-"""`policy.path` names agentree builds itself (cached), with what each is; any other value is
-a checkpoint."""
+from agentree.tools import written_format
 
 
 def base_policy(cfg: ExperimentConfig) -> str:
@@ -49,6 +40,14 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
     path = cfg.policy.path
     if path not in BUILT_POLICIES:
+        recorded, configured = recorded_tool_format(path), cfg.policy.tool_format
+        if recorded and written_format(recorded).name != written_format(configured).name:
+            log(
+                f"{path} learned to write {recorded} tool calls, but this run reads "
+                f"{written_format(configured).name} calls (policy.tool_format {configured}): "
+                f"an env with tools will find no call in its turns (leave policy.tool_format "
+                f"unset to read the policy's own, or set --set policy.tool_format={recorded})"
+            )
         return local_policy(path, log)
     env_name, env_kwargs = cfg.component("env")
     warm = cfg.policy.warm

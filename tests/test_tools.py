@@ -559,6 +559,57 @@ def test_a_max_tokens_too_small_for_any_call_is_refused_naming_the_fix(smol_toke
     LocalRollouts(text, rollout_parts(text), None, smol_tokenizer)
 
 
+def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
+    tiny_frozenlake: Path, tmp_path: Path
+) -> None:
+    """Weights do not say how a policy writes its calls: a run's checkpoint, `agentree export`
+    and `agentree sft` record it beside them, and `--policy DIR` reads the calls in that format
+    unless the config sets `policy.tool_format`, saying so when it sets another."""
+    from agentree.commands.cli import main
+    from agentree.config import load_config
+    from agentree.hub.store import POLICY_RECORD, recorded_tool_format
+    from agentree.policy import resolve_policy
+
+    run, small = tmp_path / "run", ["env.max_turns=2", "rollout.K=2", "train.tasks_per_step=1"]
+    sets = ["env.action_format=tools", "policy.tool_format=pythonic", "engine.max_tokens=48"]
+    sets += [*small, "eval.tasks=1", "eval.samples=1"]
+    args = ["--env", "frozenlake", "--policy", str(tiny_frozenlake), "--steps", "1"]
+    assert main(["train", *args, "--output", str(run), *(f"--set={s}" for s in sets)]) == 0
+    ckpt = run / "checkpoints" / "step_000001"
+    assert recorded_tool_format(ckpt) == "pythonic"
+
+    given = load_config(select={"env": "frozenlake", "policy": str(ckpt)})
+    assert given.policy.tool_format == "pythonic"
+    notes: list[str] = []
+    assert resolve_policy(given, notes.append) == str(ckpt) and notes == []
+    chosen = load_config(
+        select={"env": "frozenlake", "policy": str(ckpt)}, overrides=["policy.tool_format=hermes"]
+    )
+    assert chosen.policy.tool_format == "hermes"  # the config's word stands, with a note
+    resolve_policy(chosen, notes.append)
+    assert "learned to write pythonic tool calls" in notes[0]
+    assert "--set policy.tool_format=pythonic" in notes[0]
+    # a checkpoint without the record (another tool's, or an older one) changes nothing
+    assert recorded_tool_format(tiny_frozenlake) is None
+    bare = load_config(select={"env": "frozenlake", "policy": str(tiny_frozenlake)})
+    assert bare.policy.tool_format == "text"
+
+    out = tmp_path / "merged"
+    assert main(["export", str(run), "--output", str(out)]) == 0
+    assert recorded_tool_format(out) == "pythonic"
+    data = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "P _\n_ G"}, {"role": "assistant", "content": "Right"}]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    sft = tmp_path / "sft"
+    argv = ["sft", "--env", "frozenlake", "--policy", str(out), "--data", str(data)]
+    assert main([*argv, "--output", str(sft), "--epochs", "1"]) == 0
+    assert recorded_tool_format(sft) == "pythonic"  # from the policy it started from
+
+    (sft / POLICY_RECORD).write_text("pythonic")
+    with pytest.raises(ValueError, match="should be a JSON object"):
+        load_config(select={"policy": str(sft)})
+
+
 # -- OpenAI messages with tools (what `agentree serve` answers) -----------------------------------
 def test_requests_with_tools_render_as_rollouts_do_and_calls_come_back_as_tool_calls(
     smol_tokenizer,

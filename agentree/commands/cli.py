@@ -518,7 +518,10 @@ def cmd_sft(args: Any) -> int:
     )
     state = Path(args.output) / ".sft-state"  # an interrupted run continues from it
     with interrupt_on_sigterm():  # `kill` keeps the state as Ctrl-C does
-        summary = run_sft(policy, examples, args.output, sft, state_dir=state)
+        summary = run_sft(
+            policy, examples, args.output, sft, state_dir=state,
+            tool_format=cfg.policy.tool_format,
+        )  # fmt: skip
     losses = summary["epoch_loss"]
     print(
         f"fine-tuned on {summary['examples']} examples ({summary['target_tokens']} target "

@@ -15,6 +15,8 @@ written by `build_once`:
   library versions), so a result names the weights it came from, not only the recipe; the
   versions of the libraries that shape the weights (`LIBRARIES`) are recorded with it, so two
   builds of one recipe that differ can be told apart by what was installed.
+- beside any weights agentree writes, `POLICY_RECORD` says the call format the policy writes
+  its tool calls in, which the weights alone do not.
 """
 
 from __future__ import annotations
@@ -118,6 +120,35 @@ def weights_sha256(model_dir: Path | str) -> str | None:
         if digest:
             return str(digest)
     return _hash_weights(model_dir)
+
+
+POLICY_RECORD = "agentree-policy.json"
+"""Beside the weights agentree writes (a run's checkpoints, `agentree sft` and `export`, the
+warm starts): `{"tool_format": F}`, the call format (`policy.tool_format`) the policy learned
+to write its tool calls in. Weights alone do not say it, and a policy read in another format
+than its own finds no call in any turn; a command given the directory as `--policy` reads the
+record (`recorded_tool_format`) unless its config sets `policy.tool_format`."""
+
+
+def record_policy(directory: Path | str, tool_format: str) -> None:
+    """Write `POLICY_RECORD` into the policy directory `directory`."""
+    record = {"tool_format": tool_format}
+    (Path(directory) / POLICY_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def recorded_tool_format(path: Path | str) -> str | None:
+    """The call format a policy directory's `POLICY_RECORD` names; None for a name, a file or a
+    directory without one (another tool's checkpoint, or one written before the record)."""
+    record = Path(path).expanduser() / POLICY_RECORD
+    if not record.is_file():
+        return None
+    try:
+        value = json.loads(record.read_text()).get("tool_format")
+    except (json.JSONDecodeError, AttributeError):
+        value = None
+    if not isinstance(value, str):
+        raise ValueError(f'{record} should be a JSON object {{"tool_format": NAME}}')
+    return value
 
 
 def library_versions() -> dict[str, str]:

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
+from agentree.hub.store import record_policy
 from agentree.tools import ToolCall
 from agentree.tree import Tree
 
@@ -437,6 +438,7 @@ def run_sft(
         model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    record_policy(out, tool_format)
     summary = {
         "policy": str(policy_path),
         "examples": len(data),
