@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentree.algorithms.advantages import advantage_estimator
 from agentree.envs.base import env_class, format_validation_error
-from agentree.hub.store import recorded_tool_format
+from agentree.hub.store import recorded_call_format
 from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
 from agentree.rollout.base import controller_class
@@ -433,7 +433,7 @@ def load_config(
     path = policy.get("path")
     if isinstance(path, str) and path not in BUILT_POLICIES and "tool_format" not in policy:
         # a policy directory agentree wrote says which call format the policy learned
-        recorded = recorded_tool_format(path)
+        recorded = recorded_call_format(path)
         if recorded is not None:
             policy["tool_format"] = recorded
     return validate_config(data)

@@ -19,7 +19,7 @@ from agentree.config import BUILT_POLICIES, EngineConfig, ExperimentConfig
 from agentree.engines.base import Engine
 from agentree.envs.base import env_class, has_expert
 from agentree.hub.pretrained import local_policy
-from agentree.hub.store import recorded_tool_format
+from agentree.hub.store import recorded_call_format
 from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import warm_policy_for_env
 from agentree.tools import written_format
@@ -40,7 +40,7 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
     path = cfg.policy.path
     if path not in BUILT_POLICIES:
-        recorded, configured = recorded_tool_format(path), cfg.policy.tool_format
+        recorded, configured = recorded_call_format(path), cfg.policy.tool_format
         if recorded and written_format(recorded).name != written_format(configured).name:
             log(
                 f"{path} learned to write {recorded} tool calls, but this run reads "

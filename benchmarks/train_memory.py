@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import tempfile
@@ -144,21 +145,18 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 
 def measure(spec: dict, world: int) -> list[dict]:
-    from agentree.learner.launch import free_port
+    from agentree.learner.launch import free_port, stop_ranks
 
     with tempfile.TemporaryDirectory(prefix="train-memory-") as out:
-        ranks = mp.start_processes(
-            _rank, args=(world, free_port(), spec, out), nprocs=world, join=False
-        )
+        ranks = None
         try:
+            ranks = mp.start_processes(
+                _rank, args=(world, free_port(), spec, out), nprocs=world, join=False
+            )
             while not ranks.join():
                 pass
-        except BaseException:  # a failed rank, Ctrl-C or `kill`: the others stop too, now
-            for p in ranks.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ranks.processes:
-                p.join()
+        except BaseException:  # a failed rank, Ctrl-C or `kill` (also mid-start): the rest stop
+            stop_ranks(ranks.processes if ranks is not None else multiprocessing.active_children())
             raise
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 

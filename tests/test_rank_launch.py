@@ -86,3 +86,36 @@ def test_torchrun_launches_the_ranks(tmp_path, tiny_frozenlake):
     ckpt = out / "checkpoints" / "step_000001"
     assert (ckpt / "dcp" / ".metadata").exists() and (ckpt / "trainer_state.pt").exists()
     assert len(list((ckpt / "dcp").glob("*.distcp"))) == 2  # one shard file per rank
+
+
+def test_a_launcher_stopped_alone_stops_its_ranks(tmp_path):
+    """`kill` of the launching process only (a scheduler, a supervisor) reaches the ranks
+    `spawn_ranks` started: they get SIGTERM and end, and the launcher exits. Before, it left
+    them running, and its own exit waited on them for ever."""
+    import signal
+
+    from helpers import descendants, stop_when
+
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import time\n"
+        "from agentree.learner.launch import spawn_ranks\n"
+        "from agentree.signals import interrupt_on_sigterm\n"
+        "if __name__ == '__main__':\n"
+        "    with interrupt_on_sigterm():\n"
+        "        spawn_ranks(2, time.sleep, (3600,))\n"
+    )
+
+    def both_ranks(proc: subprocess.Popen) -> bool:
+        ranks = [p for p in descendants(proc.pid).values() if "spawn_main" in p.cmdline]
+        return len(ranks) == 2
+
+    scratch = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    try:
+        log = tmp_path / "output.log"
+        code, output, left = stop_when([sys.executable, str(script)], scratch, both_ranks, 120, log)
+        assert code not in (-signal.SIGTERM, -signal.SIGKILL), output
+        assert "KeyboardInterrupt" in output  # it unwound, as from Ctrl-C
+        assert not left, f"still running: {[p.cmdline for p in left.values()]}\n{output}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

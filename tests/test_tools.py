@@ -567,7 +567,7 @@ def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
     unless the config sets `policy.tool_format`, saying so when it sets another."""
     from agentree.commands.cli import main
     from agentree.config import load_config
-    from agentree.hub.store import POLICY_RECORD, recorded_tool_format
+    from agentree.hub.store import POLICY_RECORD, recorded_call_format
     from agentree.policy import resolve_policy
 
     run, small = tmp_path / "run", ["env.max_turns=2", "rollout.K=2", "train.tasks_per_step=1"]
@@ -576,7 +576,7 @@ def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
     args = ["--env", "frozenlake", "--policy", str(tiny_frozenlake), "--steps", "1"]
     assert main(["train", *args, "--output", str(run), *(f"--set={s}" for s in sets)]) == 0
     ckpt = run / "checkpoints" / "step_000001"
-    assert recorded_tool_format(ckpt) == "pythonic"
+    assert recorded_call_format(ckpt) == "pythonic"
 
     given = load_config(select={"env": "frozenlake", "policy": str(ckpt)})
     assert given.policy.tool_format == "pythonic"
@@ -590,20 +590,20 @@ def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
     assert "learned to write pythonic tool calls" in notes[0]
     assert "--set policy.tool_format=pythonic" in notes[0]
     # a checkpoint without the record (another tool's, or an older one) changes nothing
-    assert recorded_tool_format(tiny_frozenlake) is None
+    assert recorded_call_format(tiny_frozenlake) is None
     bare = load_config(select={"env": "frozenlake", "policy": str(tiny_frozenlake)})
     assert bare.policy.tool_format == "text"
 
     out = tmp_path / "merged"
     assert main(["export", str(run), "--output", str(out)]) == 0
-    assert recorded_tool_format(out) == "pythonic"
+    assert recorded_call_format(out) == "pythonic"
     data = tmp_path / "chat.jsonl"
     turns = [{"role": "user", "content": "P _\n_ G"}, {"role": "assistant", "content": "Right"}]
     data.write_text(json.dumps({"messages": turns}) + "\n")
     sft = tmp_path / "sft"
     argv = ["sft", "--env", "frozenlake", "--policy", str(out), "--data", str(data)]
     assert main([*argv, "--output", str(sft), "--epochs", "1"]) == 0
-    assert recorded_tool_format(sft) == "pythonic"  # from the policy it started from
+    assert recorded_call_format(sft) == "pythonic"  # from the policy it started from
 
     (sft / POLICY_RECORD).write_text("pythonic")
     with pytest.raises(ValueError, match="should be a JSON object"):

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agentree.hub.store import record_policy, recorded_tool_format
+from agentree.hub.store import record_call_format, recorded_call_format
 from agentree.learner.lora import ADAPTER_DIR
 from agentree.run.checkpoint import latest_checkpoint
 
@@ -43,9 +43,9 @@ def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tool_format = recorded_tool_format(ckpt)
+    tool_format = recorded_call_format(ckpt)
     if tool_format is not None:
-        record_policy(tmp, tool_format)
+        record_call_format(tmp, tool_format)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -127,16 +127,16 @@ POLICY_RECORD = "agentree-policy.json"
 warm starts): `{"tool_format": F}`, the call format (`policy.tool_format`) the policy learned
 to write its tool calls in. Weights alone do not say it, and a policy read in another format
 than its own finds no call in any turn; a command given the directory as `--policy` reads the
-record (`recorded_tool_format`) unless its config sets `policy.tool_format`."""
+record (`recorded_call_format`) unless its config sets `policy.tool_format`."""
 
 
-def record_policy(directory: Path | str, tool_format: str) -> None:
+def record_call_format(directory: Path | str, tool_format: str) -> None:
     """Write `POLICY_RECORD` into the policy directory `directory`."""
     record = {"tool_format": tool_format}
     (Path(directory) / POLICY_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def recorded_tool_format(path: Path | str) -> str | None:
+def recorded_call_format(path: Path | str) -> str | None:
     """The call format a policy directory's `POLICY_RECORD` names; None for a name, a file or a
     directory without one (another tool's checkpoint, or one written before the record)."""
     record = Path(path).expanduser() / POLICY_RECORD

@@ -4,6 +4,7 @@ entry-point function. Ray actors as ranks: `agentree.distributed.ranks.launch_on
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
@@ -35,16 +36,41 @@ def spawn_ranks(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.start_processes(
-        _rank_main, args=(world_size, port, fn, tuple(args)), nprocs=world_size, join=False,
-        start_method="spawn",
-    )  # fmt: skip
+    ctx = None
     try:
+        ctx = mp.start_processes(
+            _rank_main, args=(world_size, port, fn, tuple(args)), nprocs=world_size,
+            join=False, start_method="spawn",
+        )  # fmt: skip
         while not ctx.join():
             pass
-    except mp.ProcessExitedException as e:
+    except mp.ProcessExitedException as e:  # torch has stopped the other ranks
         return int(e.exit_code or 1)
+    except BaseException:
+        # Ctrl-C, or `kill` of this process alone (as SIGTERM: `interrupt_on_sigterm`), here or
+        # while the ranks were still being started
+        stop_ranks(ctx.processes if ctx is not None else multiprocessing.active_children())
+        raise
     return 0
+
+
+def stop_ranks(ranks: Sequence[Any]) -> None:
+    """SIGTERM each live rank process and wait for them all: a rank stops as its own stop signal
+    says (a trainer checkpoints first), one still starting ends at once. A second interrupt
+    while waiting kills them. Without this, a launcher stopped alone leaves its ranks waiting
+    for each other, and its exit waits on them."""
+    for p in ranks:
+        if p.is_alive():
+            p.terminate()
+    try:
+        for p in ranks:
+            p.join()
+    except BaseException:
+        for p in ranks:
+            p.kill()
+        for p in ranks:
+            p.join()
+        raise
 
 
 def _rank_main(

@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
-from agentree.hub.store import record_policy
+from agentree.hub.store import record_call_format
 from agentree.tools import ToolCall
 from agentree.tree import Tree
 
@@ -438,7 +438,7 @@ def run_sft(
         model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record_policy(out, tool_format)
+    record_call_format(out, tool_format)
     summary = {
         "policy": str(policy_path),
         "examples": len(data),
