@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from agentree.signals import interrupt_on_sigterm
 
@@ -105,11 +103,8 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+def _rank(world: int, spec: dict, out: str) -> None:
+    """One rank, started by `spawn_ranks` (which sets RANK, WORLD_SIZE and the master's port)."""
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
@@ -145,19 +140,13 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 
 def measure(spec: dict, world: int) -> list[dict]:
-    from agentree.learner.launch import free_port, stop_ranks
+    from agentree.learner.launch import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="train-memory-") as out:
-        ranks = None
-        try:
-            ranks = mp.start_processes(
-                _rank, args=(world, free_port(), spec, out), nprocs=world, join=False
-            )
-            while not ranks.join():
-                pass
-        except BaseException:  # a failed rank, Ctrl-C or `kill` (also mid-start): the rest stop
-            stop_ranks(ranks.processes if ranks is not None else multiprocessing.active_children())
-            raise
+        # a failed rank, Ctrl-C or `kill` (also while they start): spawn_ranks stops the rest
+        code = spawn_ranks(world, _rank, (world, spec, out))
+        if code:
+            raise RuntimeError(f"a rank exited with code {code}")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
