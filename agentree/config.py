@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentree.algorithms.advantages import advantage_estimator
 from agentree.envs.base import env_class, format_validation_error
-from agentree.hub.store import recorded_call_format
+from agentree.hub.store import policy_record
 from agentree.hub.tiny import TinyModelConfig
 from agentree.models.warm import WarmConfig
 from agentree.rollout.base import controller_class
@@ -71,7 +71,8 @@ class PolicyConfig(_Section):
     Hermes), llama3_json, pythonic, qwen3_coder (Qwen3-Coder's XML), or text (free-text
     actions; a tool env reads the generic rendering's hermes calls). Warm builds write their
     demonstrations' calls in it. Unset, a policy directory agentree wrote (a checkpoint,
-    `agentree sft`/`export` output) gives the format it was trained in (`POLICY_RECORD`)."""
+    `agentree sft`/`export` output) gives the format it was trained in, and sets the env's
+    `action_format` it acted in where the config leaves that unset (`POLICY_RECORD`)."""
 
 
 class EngineConfig(_Section):
@@ -429,14 +430,23 @@ def load_config(
                 raise ValueError(f"--set {item}: '{k}' is not a section")
             node = nxt
         node[keys[-1]] = value
+    # a policy directory agentree wrote says how the policy learned to act: what the config
+    # leaves unset follows it
     policy = data.get("policy") or {}
     path = policy.get("path")
-    if isinstance(path, str) and path not in BUILT_POLICIES and "tool_format" not in policy:
-        # a policy directory agentree wrote says which call format the policy learned
-        recorded = recorded_call_format(path)
-        if recorded is not None:
-            policy["tool_format"] = recorded
-    return validate_config(data)
+    record = policy_record(path) if isinstance(path, str) and path not in BUILT_POLICIES else {}
+    if "tool_format" in record and "tool_format" not in policy:
+        policy["tool_format"] = record["tool_format"]
+    cfg = validate_config(data)
+    env = data.get("env")
+    if (
+        "action_format" in record
+        and "action_format" in cfg.env  # the env has the setting
+        and not (isinstance(env, dict) and "action_format" in env)
+    ):
+        data["env"] = {**cfg.env, "action_format": record["action_format"]}
+        cfg = validate_config(data)
+    return cfg
 
 
 def validate_config(data: dict[str, Any]) -> ExperimentConfig:

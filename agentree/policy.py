@@ -19,7 +19,7 @@ from agentree.config import BUILT_POLICIES, EngineConfig, ExperimentConfig
 from agentree.engines.base import Engine
 from agentree.envs.base import env_class, has_expert
 from agentree.hub.pretrained import local_policy
-from agentree.hub.store import recorded_call_format
+from agentree.hub.store import policy_record
 from agentree.hub.tiny import tiny_policy_for_env
 from agentree.models.warm import warm_policy_for_env
 from agentree.tools import written_format
@@ -40,13 +40,22 @@ def resolve_policy(cfg: ExperimentConfig, log: Callable[[str], None]) -> str:
     cached), named pretrained checkpoints fetched and converted, anything else is passed on."""
     path = cfg.policy.path
     if path not in BUILT_POLICIES:
-        recorded, configured = recorded_call_format(path), cfg.policy.tool_format
+        record, configured = policy_record(path), cfg.policy.tool_format
+        recorded = record.get("tool_format")
         if recorded and written_format(recorded).name != written_format(configured).name:
             log(
                 f"{path} learned to write {recorded} tool calls, but this run reads "
                 f"{written_format(configured).name} calls (policy.tool_format {configured}): "
                 f"an env with tools will find no call in its turns (leave policy.tool_format "
                 f"unset to read the policy's own, or set --set policy.tool_format={recorded})"
+            )
+        acted, acts = record.get("action_format"), cfg.env.get("action_format")
+        if acted and acts and acted != acts:
+            log(
+                f"{path} learned to act in {acted} (env.action_format), but this run's env "
+                f"asks for {acts}: its turns may hold no action the env reads (leave "
+                f"env.action_format unset to follow the policy, or set "
+                f"--set env.action_format={acted})"
             )
         return local_policy(path, log)
     env_name, env_kwargs = cfg.component("env")

@@ -559,15 +559,16 @@ def test_a_max_tokens_too_small_for_any_call_is_refused_naming_the_fix(smol_toke
     LocalRollouts(text, rollout_parts(text), None, smol_tokenizer)
 
 
-def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
+def test_a_policy_directory_keeps_how_it_learned_to_act(
     tiny_frozenlake: Path, tmp_path: Path
 ) -> None:
-    """Weights do not say how a policy writes its calls: a run's checkpoint, `agentree export`
-    and `agentree sft` record it beside them, and `--policy DIR` reads the calls in that format
-    unless the config sets `policy.tool_format`, saying so when it sets another."""
+    """Weights do not say how a policy acts: a run's checkpoint, `agentree export` and
+    `agentree sft` record its call format and whether it acted through tool calls beside them,
+    and `--policy DIR` reads the calls in that format, in the env's action format it learned,
+    unless the config sets them, saying so when it sets others."""
     from agentree.commands.cli import main
     from agentree.config import load_config
-    from agentree.hub.store import POLICY_RECORD, recorded_call_format
+    from agentree.hub.store import POLICY_RECORD, policy_record
     from agentree.policy import resolve_policy
 
     run, small = tmp_path / "run", ["env.max_turns=2", "rollout.K=2", "train.tasks_per_step=1"]
@@ -576,36 +577,46 @@ def test_a_policy_directory_keeps_the_call_format_it_was_trained_in(
     args = ["--env", "frozenlake", "--policy", str(tiny_frozenlake), "--steps", "1"]
     assert main(["train", *args, "--output", str(run), *(f"--set={s}" for s in sets)]) == 0
     ckpt = run / "checkpoints" / "step_000001"
-    assert recorded_call_format(ckpt) == "pythonic"
+    acted = {"tool_format": "pythonic", "action_format": "tools"}
+    assert policy_record(ckpt) == acted
 
     given = load_config(select={"env": "frozenlake", "policy": str(ckpt)})
-    assert given.policy.tool_format == "pythonic"
+    assert given.policy.tool_format == "pythonic" and given.env["action_format"] == "tools"
     notes: list[str] = []
     assert resolve_policy(given, notes.append) == str(ckpt) and notes == []
     chosen = load_config(
-        select={"env": "frozenlake", "policy": str(ckpt)}, overrides=["policy.tool_format=hermes"]
+        select={"env": "frozenlake", "policy": str(ckpt)},
+        overrides=["policy.tool_format=hermes", "env.action_format=text"],
     )
-    assert chosen.policy.tool_format == "hermes"  # the config's word stands, with a note
+    # the config's word stands, with a note for each
+    assert chosen.policy.tool_format == "hermes" and chosen.env["action_format"] == "text"
     resolve_policy(chosen, notes.append)
     assert "learned to write pythonic tool calls" in notes[0]
     assert "--set policy.tool_format=pythonic" in notes[0]
+    assert "--set env.action_format=tools" in notes[1]
+    # an env without the setting takes the call format only
+    other = load_config(select={"env": "countdown", "policy": str(ckpt)})
+    assert other.policy.tool_format == "pythonic" and "action_format" not in other.env
     # a checkpoint without the record (another tool's, or an older one) changes nothing
-    assert recorded_call_format(tiny_frozenlake) is None
+    assert policy_record(tiny_frozenlake) == {}
     bare = load_config(select={"env": "frozenlake", "policy": str(tiny_frozenlake)})
-    assert bare.policy.tool_format == "text"
+    assert bare.policy.tool_format == "text" and bare.env["action_format"] == "text"
 
     out = tmp_path / "merged"
     assert main(["export", str(run), "--output", str(out)]) == 0
-    assert recorded_call_format(out) == "pythonic"
+    assert policy_record(out) == acted
     data = tmp_path / "chat.jsonl"
     turns = [{"role": "user", "content": "P _\n_ G"}, {"role": "assistant", "content": "Right"}]
     data.write_text(json.dumps({"messages": turns}) + "\n")
     sft = tmp_path / "sft"
     argv = ["sft", "--env", "frozenlake", "--policy", str(out), "--data", str(data)]
     assert main([*argv, "--output", str(sft), "--epochs", "1"]) == 0
-    assert recorded_call_format(sft) == "pythonic"  # from the policy it started from
+    assert policy_record(sft) == acted  # from the policy it started from
 
     (sft / POLICY_RECORD).write_text("pythonic")
+    with pytest.raises(ValueError, match="should be a JSON object"):
+        load_config(select={"policy": str(sft)})
+    (sft / POLICY_RECORD).write_text(json.dumps({**acted, "action_format": "calls"}))
     with pytest.raises(ValueError, match="should be a JSON object"):
         load_config(select={"policy": str(sft)})
 

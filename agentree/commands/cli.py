@@ -520,7 +520,7 @@ def cmd_sft(args: Any) -> int:
     with interrupt_on_sigterm():  # `kill` keeps the state as Ctrl-C does
         summary = run_sft(
             policy, examples, args.output, sft, state_dir=state,
-            tool_format=cfg.policy.tool_format,
+            tool_format=cfg.policy.tool_format, action_format=cfg.env.get("action_format"),
         )  # fmt: skip
     losses = summary["epoch_loss"]
     print(

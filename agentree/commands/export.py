@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from agentree.hub.store import record_call_format, recorded_call_format
+from agentree.hub.store import policy_record, write_policy_record
 from agentree.learner.lora import ADAPTER_DIR
 from agentree.run.checkpoint import latest_checkpoint
 
@@ -43,9 +43,9 @@ def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tool_format = recorded_call_format(ckpt)
-    if tool_format is not None:
-        record_call_format(tmp, tool_format)
+    record = policy_record(ckpt)
+    if record:
+        write_policy_record(tmp, record["tool_format"], record.get("action_format"))
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -15,8 +15,8 @@ written by `build_once`:
   library versions), so a result names the weights it came from, not only the recipe; the
   versions of the libraries that shape the weights (`LIBRARIES`) are recorded with it, so two
   builds of one recipe that differ can be told apart by what was installed.
-- beside any weights agentree writes, `POLICY_RECORD` says the call format the policy writes
-  its tool calls in, which the weights alone do not.
+- beside any weights agentree writes, `POLICY_RECORD` says how the policy acts (its call
+  format, and whether it acts through tool calls), which the weights alone do not.
 """
 
 from __future__ import annotations
@@ -124,31 +124,46 @@ def weights_sha256(model_dir: Path | str) -> str | None:
 
 POLICY_RECORD = "agentree-policy.json"
 """Beside the weights agentree writes (a run's checkpoints, `agentree sft` and `export`, the
-warm starts): `{"tool_format": F}`, the call format (`policy.tool_format`) the policy learned
-to write its tool calls in. Weights alone do not say it, and a policy read in another format
-than its own finds no call in any turn; a command given the directory as `--policy` reads the
-record (`recorded_call_format`) unless its config sets `policy.tool_format`."""
+warm starts): `{"tool_format": F, "action_format": A}`, how the policy learned to act. `F` is
+the call format (`policy.tool_format`) it writes its tool calls in; `A` (only where the env it
+learned on has `env.action_format`) whether it acted through those calls (`tools`) or in free
+text (`text`). Weights alone say neither, and a policy read in another format than its own
+finds no action in any turn. A command given the directory as `--policy` reads the record
+(`policy_record`) for what its config does not set."""
+
+ACTION_FORMATS = ("text", "tools")
 
 
-def record_call_format(directory: Path | str, tool_format: str) -> None:
-    """Write `POLICY_RECORD` into the policy directory `directory`."""
+def write_policy_record(directory: Path | str, tool_format: str, action_format: str | None) -> None:
+    """Write `POLICY_RECORD` into the policy directory `directory` (`action_format` None: the
+    env had no such setting, and the record leaves it out)."""
     record = {"tool_format": tool_format}
+    if action_format is not None:
+        record["action_format"] = action_format
     (Path(directory) / POLICY_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def recorded_call_format(path: Path | str) -> str | None:
-    """The call format a policy directory's `POLICY_RECORD` names; None for a name, a file or a
-    directory without one (another tool's checkpoint, or one written before the record)."""
+def policy_record(path: Path | str) -> dict[str, str]:
+    """The `POLICY_RECORD` of a policy directory: `tool_format`, and `action_format` where it
+    was recorded; empty for a name, a file or a directory without one (another tool's
+    checkpoint, or one written before the record)."""
     record = Path(path).expanduser() / POLICY_RECORD
     if not record.is_file():
-        return None
+        return {}
     try:
-        value = json.loads(record.read_text()).get("tool_format")
-    except (json.JSONDecodeError, AttributeError):
+        value = json.loads(record.read_text())
+    except json.JSONDecodeError:
         value = None
-    if not isinstance(value, str):
-        raise ValueError(f'{record} should be a JSON object {{"tool_format": NAME}}')
-    return value
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("tool_format"), str)
+        or value.get("action_format", "text") not in ACTION_FORMATS
+    ):
+        raise ValueError(
+            f'{record} should be a JSON object {{"tool_format": NAME, "action_format": '
+            f'"text" or "tools" (optional)}}'
+        )
+    return {k: value[k] for k in ("tool_format", "action_format") if k in value}
 
 
 def library_versions() -> dict[str, str]:

@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
-from agentree.hub.store import record_call_format
+from agentree.hub.store import write_policy_record
 from agentree.tools import ToolCall
 from agentree.tree import Tree
 
@@ -320,12 +320,14 @@ def run_sft(
     state_dir: str | Path | None = None,
     state_every_s: float = 600.0,
     tool_format: str = "text",
+    action_format: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune the causal LM at `policy_path` and save it (model + tokenizer) to `output`.
 
     `examples` are `SFTExample`s or conversations (lists of chat messages, tokenised here with
     the policy's chat format; `system` fills in a missing system message, `tools` are the env's
-    tool schemas, and `tool_format` the format their calls are written in). Returns a summary
+    tool schemas, and `tool_format` the format their calls are written in). `action_format` is
+    the env's (None where it has none); the output's `POLICY_RECORD` keeps both. Returns a summary
     (losses per epoch, tokens, wall time), also written to `output/sft.json`.
 
     With `state_dir`, the run writes its state there (weights, optimiser, position in the
@@ -438,7 +440,7 @@ def run_sft(
         model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record_call_format(out, tool_format)
+    write_policy_record(out, tool_format, action_format)
     summary = {
         "policy": str(policy_path),
         "examples": len(data),

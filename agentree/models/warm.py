@@ -405,6 +405,7 @@ def warm_policy_for_env(
             tools=tools,
             log=lambda m: log(f"{name}: {m}"),
             tool_format=tool_format,
+            action_format=kwargs.get("action_format"),
         )
         log(f"{name}: done in {time.perf_counter() - t0:.0f}s")
 

@@ -49,7 +49,7 @@ import torch
 from agentree.algorithms.packing import Batch, make_batch, token_logprobs
 from agentree.config import ExperimentConfig, LogConfig
 from agentree.envs.base import Task
-from agentree.hub.store import record_call_format
+from agentree.hub.store import write_policy_record
 from agentree.learner.base import Learner, make_learner
 from agentree.learner.sharding import barrier, broadcast_object, init_distributed
 from agentree.rollout.base import RolloutStats, action_format
@@ -393,7 +393,7 @@ class Trainer:
         ckpt = self.dir / "checkpoints" / f"step_{self.step:06d}"
         if self.rt is not None:
             self.rt.tokenizer.save_pretrained(tmp)
-            record_call_format(tmp, self.cfg.policy.tool_format)
+            write_policy_record(tmp, self.cfg.policy.tool_format, self.cfg.env.get("action_format"))
             lora = self.cfg.train.lora
             state = {
                 "step": self.step,

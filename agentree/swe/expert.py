@@ -772,6 +772,7 @@ def warm_policy(
             log=log,
             state_dir=_sft_state(target),
             tool_format=cfg.tool_format,
+            action_format=cfg.action_format,
         )
         shutil.rmtree(tmp / "base")
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
@@ -834,6 +835,7 @@ def _warm_real_model(
             log=log,
             state_dir=_sft_state(target),
             tool_format=cfg.tool_format,
+            action_format=cfg.action_format,
         )
         (tmp / WARM_CONFIG).write_text(cfg.model_dump_json(indent=1))
 
