@@ -151,6 +151,48 @@ def test_seeded_sampling_repeats(client) -> None:
     assert draw() == draw()
 
 
+def test_a_streamed_answer_joins_to_the_unstreamed_one(client, server) -> None:
+    """`stream: true` answers server-sent events that the `openai` client reads: the deltas
+    of each choice join to the same text, finish reason and log-probs as the unstreamed
+    answer to the same request, and `include_usage` ends with the usage."""
+    chat = {
+        "model": "tiny-policy",
+        "messages": [{"role": "user", "content": "P _ G"}],
+        "max_tokens": 8,
+        "n": 2,
+        "seed": 3,
+        "logprobs": True,
+    }
+    whole = client.chat.completions.create(**chat)
+    parts = list(
+        client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
+    )
+    assert {p.id for p in parts} == {parts[0].id} and parts[0].object == "chat.completion.chunk"
+    *chunks, last = parts
+    assert last.choices == [] and last.usage == whole.usage
+    for c in whole.choices:
+        mine = [p.choices[0] for p in chunks if p.choices[0].index == c.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == c.message.content
+        assert [m.finish_reason for m in mine if m.finish_reason] == [c.finish_reason]
+        streamed = [t for m in mine if m.logprobs for t in m.logprobs.content]
+        assert streamed == c.logprobs.content
+    assert all(p.usage is None for p in chunks)
+
+    text = {"model": "tiny-policy", "prompt": "P _ G", "max_tokens": 8, "temperature": 0}
+    whole = client.completions.create(**text, logprobs=2)
+    chunks = list(client.completions.create(**text, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[0].choices[0].logprobs == whole.choices[0].logprobs
+    raw = json.dumps({**text, "stream": True}).encode()
+    # the raw events, as a client without a library reads them
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/completions", raw)) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+
+
 def test_errors_are_openai_errors(client, server) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
@@ -166,12 +208,11 @@ def test_errors_are_openai_errors(client, server) -> None:
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
     assert e.value.code == 400 and "valid JSON" in json.loads(e.value.read())["error"]["message"]
-    req = urllib.request.Request(
-        server.url + "/completions", data=json.dumps({"prompt": "P", "stream": True}).encode()
-    )
+    options = {"prompt": "P", "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(server.url + "/completions", data=json.dumps(options).encode())
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
-    assert e.value.code == 400
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "stream_options"
     bad_n = json.dumps({"prompt": "P _ G", "n": 1.5}).encode()
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(server.url + "/completions", data=bad_n))
@@ -482,4 +523,13 @@ def test_chat_with_tools_answers_the_openai_client_with_tool_calls(smollm2) -> N
             client.chat.completions.create(
                 model="tool-policy", messages=messages, tools=[{"type": "function"}]
             )
+        # streamed, the client's own stream reader assembles the same calls from the chunks
+        first = [{"role": "user", "content": "P _ G"}]
+        with client.chat.completions.stream(
+            model="tool-policy", messages=first, tools=[move]
+        ) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Going up."
+        (again,) = streamed.message.tool_calls
+        assert (again.function.name, again.function.arguments) == ("move", call.function.arguments)
         client.close()

@@ -1,12 +1,13 @@
 """`agentree serve`: an OpenAI-compatible HTTP server over a policy engine.
 
 Endpoints: `GET /v1/models`, `GET /health`, `POST /v1/completions`, `POST /v1/chat/completions`
-(no streaming). Chat messages are rendered with the tokenizer's chat template; `temperature`
-(0 = greedy), `top_p`, `top_k`, `max_tokens` / `max_completion_tokens`, `n`, `stop` (strings;
-excluded from the text, as in the OpenAI API), `stop_token_ids`, `seed` and `logprobs` /
-`top_logprobs` map onto `SamplingParams`; responses carry token `usage`. Log-probs are those
-of the temperature-scaled sampling distribution (the engine contract). Options the engine
-cannot honour (streaming, echo, penalties, logit bias) are rejected with a 400, not ignored.
+(`stream: true` answers OpenAI's events once the completion is done). Chat messages are
+rendered with the tokenizer's chat template; `temperature` (0 = greedy), `top_p`, `top_k`,
+`max_tokens` / `max_completion_tokens`, `n`, `stop` (strings; excluded from the text, as in the
+OpenAI API), `stop_token_ids`, `seed` and `logprobs` / `top_logprobs` map onto
+`SamplingParams`; responses carry token `usage`. Log-probs are those of the temperature-scaled
+sampling distribution (the engine contract). Options the engine cannot honour (echo,
+penalties, logit bias) are rejected with a 400, not ignored.
 A chat request with `tools` is rendered as a tool rollout is and its answer read back into
 `tool_calls` (finish reason `tool_calls`) in the policy's call format (`agentree.tool_messages`).
 

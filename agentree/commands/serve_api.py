@@ -96,12 +96,23 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class StreamOptions(BaseModel):
+    """`stream_options` of a streamed request."""
+
+    model_config = _STRICT
+    include_usage: bool | None = None
+    """End the stream with a chunk holding the usage and no choices."""
+
+
 class SamplingRequest(BaseModel):
     """The fields both endpoints share: model, sampling settings, unsupported options."""
 
     model_config = _STRICT
     model: str | None = None
     stream: bool | None = None
+    """Answer as server-sent events (`stream_chunks`): the chunks come once the completion is
+    done, as the engine decodes whole batches; a token-by-token stream is `vllm serve`'s."""
+    stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -323,8 +334,8 @@ class OpenAIServer:
             raise APIError(
                 404, f"The model `{req.model}` does not exist.", "NotFoundError", "model"
             )
-        if req.stream:
-            raise APIError(400, "streaming is not supported; send stream=false", param="stream")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream=true", param="stream_options")
         for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported", param=name)
@@ -453,3 +464,43 @@ class OpenAIServer:
 
     def close(self) -> None:
         self.batcher.close()
+
+
+def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> list[dict[str, Any]]:
+    """A finished `chat.completion` or `text_completion` response as the chunks OpenAI's
+    `stream: true` sends, in order: per choice, for chat the assistant role, then its content
+    (with the log-probs), then its tool calls (each with its `index`), then an empty delta with
+    the finish reason; for text the text with its log-probs, then the finish reason. With
+    `include_usage` every chunk carries `usage: null` and a last chunk with no choices carries
+    the usage. A client that joins the deltas gets the response back."""
+    chat = response["object"] == "chat.completion"
+    head = {
+        "id": response["id"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": response["created"],
+        "model": response["model"],
+    }
+    usage = {"usage": None} if include_usage else {}
+    out = []
+
+    def chunk(index: int, finish: str | None = None, logprobs: Any = None, **part: Any) -> None:
+        choice = {"index": index, **part, "logprobs": logprobs, "finish_reason": finish}
+        out.append({**head, "choices": [choice], **usage})
+
+    for c in response["choices"]:
+        i = c["index"]
+        if not chat:
+            chunk(i, text=c["text"], logprobs=c["logprobs"])
+            chunk(i, c["finish_reason"], text="")
+            continue
+        message = c["message"]
+        chunk(i, delta={"role": "assistant", "content": ""})
+        if message.get("content"):
+            chunk(i, delta={"content": message["content"]}, logprobs=c["logprobs"])
+        calls = message.get("tool_calls") or []
+        if calls:
+            chunk(i, delta={"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+        chunk(i, c["finish_reason"], delta={})
+    if include_usage:
+        out.append({**head, "choices": [], "usage": response["usage"]})
+    return out

@@ -9,7 +9,7 @@ import logging
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -20,6 +20,7 @@ from agentree.commands.serve_api import (
     CompletionRequest,
     OpenAIServer,
     SamplingRequest,
+    stream_chunks,
 )
 
 log = logging.getLogger("agentree.commands.serve")
@@ -52,11 +53,13 @@ def build_app(api: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
 
     # The body is parsed here rather than by FastAPI's parameter binding, which reads JSON only
     # under a JSON Content-Type: `curl -d` (form-encoded by default) must work as it always did.
-    async def completions(request: Request) -> dict[str, Any]:
-        return await api.completions(_parse(CompletionRequest, await request.body()))
+    async def completions(request: Request) -> Any:
+        req = _parse(CompletionRequest, await request.body())
+        return _answer(req, await api.completions(req))
 
-    async def chat(request: Request) -> dict[str, Any]:
-        return await api.chat(_parse(ChatRequest, await request.body()))
+    async def chat(request: Request) -> Any:
+        req = _parse(ChatRequest, await request.body())
+        return _answer(req, await api.chat(req))
 
     for prefix in ("/v1", ""):
         for path, endpoint, method in (
@@ -72,6 +75,17 @@ def build_app(api: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
 
 async def _health() -> dict[str, str]:
     return {"status": "ok"}
+
+
+def _answer(req: SamplingRequest, response: dict[str, Any]) -> Any:
+    """The response as JSON, or with `stream: true` as server-sent events (`stream_chunks`,
+    then `[DONE]`). The response is complete before the first event, so an error is still
+    answered with its status."""
+    if not req.stream:
+        return response
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    events = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(response, usage)]
+    return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
 
 
 def _parse(model: type[RequestT], raw: bytes) -> RequestT:
