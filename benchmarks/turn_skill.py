@@ -20,10 +20,13 @@ rest).
 
     python benchmarks/turn_skill.py --config sokoban2_grpo --policy tiny-warm RUN/checkpoints/latest
     python benchmarks/turn_skill.py --config sokoban2_grpo --history all
+    python benchmarks/turn_skill.py --config frozenlake_patr_tools --turns 0 --tasks 200
 
 `--policy` takes the config's names (`tiny-warm`: the config's warm build, with its `--set`
-overrides) or checkpoint directories. Prints one line per policy and turn, and writes them as
-JSON to `--out` if given.
+overrides) or checkpoint directories. In an env's tool mode (`env.action_format: tools`) the
+episode's moves are calls and their results tool turns, and each action is scored as the
+policy writes it (`policy.tool_format`), as the rollouts lay them out. Prints one line per
+policy and turn, and writes them as JSON to `--out` if given.
 """
 
 from __future__ import annotations
@@ -37,17 +40,21 @@ from typing import Any
 
 
 def conversation_prompt(
-    chat: Any, messages: list[dict[str, Any]], window: int | None, system: str | None = None
+    chat: Any,
+    messages: list[dict[str, Any]],
+    window: int | None,
+    system: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids the rollouts would give the policy after `messages` (which end with an
     observation), under the history window `window` (None: the whole episode), with the env's
-    `system` prompt as the rollouts send it."""
+    `system` prompt and `tools` as the rollouts send them."""
     from agentree.models.sft import example_from_messages, windowed
 
     probe = [*messages, {"role": "assistant", "content": "?"}]  # the answer to be sampled
     if window is not None:
         probe = windowed(probe, window)[-1]
-    ex = example_from_messages(chat, probe, system)
+    ex = example_from_messages(chat, probe, system, tools)
     # the prompt ends where the last answer's learned tokens (its final masked run) begin
     start = len(ex.loss_mask)
     while start and ex.loss_mask[start - 1]:
@@ -66,8 +73,11 @@ def states_at_turn(
 ) -> Iterator[tuple[list[int], list[str]]]:
     """(prompt ids, best actions) at turn `turn` of the noisy expert's episode on each task that
     is still going there and has a best action (`agentree.models.warm.action_skill`'s states)."""
-    from agentree.models.warm import scripted_action
+    from agentree.models.warm import episode_messages, scripted_action
     from agentree.rollout.turn.turns import scripted_episode
+    from agentree.tools import tool_schemas
+
+    tools = tool_schemas(env.tools()) or None
 
     for task in tasks:
         tree = scripted_episode(
@@ -77,13 +87,10 @@ def states_at_turn(
         best = env.best_actions()
         if (path and path[-1].end_reason is not None) or not best:
             continue  # the episode ended before this turn, or no move is best here
-        messages: list[dict[str, Any]] = [{"role": "user", "content": root.observation}]
-        for n in path:
-            messages += [
-                {"role": "assistant", "content": n.action},
-                {"role": "user", "content": n.observation},
-            ]
-        yield conversation_prompt(chat, messages, window, env.system_prompt), best
+        messages = episode_messages(
+            env, root.observation, [(n.action, n.observation) for n in path]
+        )
+        yield conversation_prompt(chat, messages, window, env.system_prompt, tools), best
 
 
 def main() -> None:
@@ -128,7 +135,7 @@ def main() -> None:
             path = resolve_policy(named, print)
             model, tokenizer = load_policy(path, dtype="float32", device="cpu")
             model.eval()
-            chat = ChatFormat(tokenizer)
+            chat = ChatFormat(tokenizer, named.policy.tool_format)  # a tool env's calls in it
             for k in args.turns:
                 rng = random.Random(args.seed * 1000 + k)
                 states = states_at_turn(chat, env, tasks, k, window, args.expert_prob, rng)

@@ -262,6 +262,42 @@ def test_warm_policy_knows_more_than_it_samples(warm_runtime) -> None:
     assert skill["p_best"] <= skill["top1"] - 0.1, skill
 
 
+def test_a_tool_env_is_probed_over_its_calls_as_the_policy_writes_them(tiny_frozenlake) -> None:
+    """In tool mode a grid game's actions and best actions are `move` calls (the class keeps
+    the text moves), and `action_skill` scores each action written in the policy's call format
+    after the rollouts' prompt: here pythonic, worked out by hand."""
+    import torch
+
+    from agentree.chat import ChatFormat
+    from agentree.envs.frozenlake import MOVES
+    from agentree.envs.grid import move_call
+    from agentree.hub.load import load_policy
+    from agentree.models.warm import action_probs, action_skill, first_move_skill
+    from agentree.tools import tool_schemas
+
+    text, tools = FrozenLakeEnv(size=4), FrozenLakeEnv(size=4, action_format="tools")
+    assert tools.action_set == tuple(move_call(m) for m in MOVES)
+    assert text.action_set == FrozenLakeEnv.action_set == tuple(f"```{m}```" for m in MOVES)
+    obs, _ = tools.reset(seed=3)
+    text.reset(seed=3)
+    assert tools.best_actions() == [move_call(a.strip("`")) for a in text.best_actions()]
+    assert tools.expert_action() in tools.best_actions()
+
+    model, tokenizer = load_policy(str(tiny_frozenlake), dtype="float32", device="cpu")
+    chat = ChatFormat(tokenizer, "pythonic")
+    prompt = chat.prompt_ids(obs, tools.system_prompt, tool_schemas(tools.tools()))
+    written = [chat.encode(f"[move(direction='{m.lower()}')]") for m in MOVES]
+    with torch.no_grad():
+        p = action_probs(model, prompt, written)
+    best = [i for i, m in enumerate(MOVES) if move_call(m) in tools.best_actions()]
+    skill = action_skill(model, chat, tools, [(prompt, tools.best_actions())])
+    assert skill["p_best"] == pytest.approx(float(sum(p[i] for i in best)))
+    assert skill["top1"] == float(int(p.argmax()) in best)
+    task = Task("t", seed=3)
+    first = first_move_skill(model, chat, tools, [task])
+    assert (first["top1"], first["p_best"]) == (skill["top1"], pytest.approx(skill["p_best"]))
+
+
 def test_tiny_policies_read_the_observation_without_the_instructions(tiny_frozenlake) -> None:
     from transformers import AutoTokenizer
 

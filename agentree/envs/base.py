@@ -94,9 +94,11 @@ class Env(gymnasium.Env):
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
-    action_set: ClassVar[tuple[str, ...]] = ()
+    action_set: tuple[str, ...] = ()
     """Every action as the policy writes it, when the set is small and fixed (grid games);
-    empty for free-form actions. `first_move_skill` scores a policy's choice over it."""
+    empty for free-form actions. `first_move_skill` scores a policy's choice over it. An env
+    whose actions take another form in another mode (a grid game's `move` calls with tools)
+    sets its instance's."""
 
     expert_settings: ClassVar[tuple[str, ...] | None] = None
     """The `Config` fields the expert's episodes and the prompts depend on: a warm build is

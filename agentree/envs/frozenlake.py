@@ -217,7 +217,8 @@ class FrozenLakeEnv(GridGame):
         return move_action(move, self.cfg.action_format)
 
     def best_actions(self) -> list[str]:
-        return [f"```{m}```" for m in shortest_moves(self._desc, self.position)]
+        moves = shortest_moves(self._desc, self.position)
+        return [move_action(m, self.cfg.action_format) for m in moves]
 
     # -- views --------------------------------------------------------------------------------
     @property

@@ -100,10 +100,12 @@ class GridGame(MoveGame):
 
     def use_action_format(self, moves: Iterable[str]) -> None:
         """What `cfg.action_format` changes, set once the config is read: with tools, the
-        system prompt that explains the `move` tool; with text and `stop_after_move`, a stop
-        sequence at each ```Move``` block, so a turn ends at its move."""
+        system prompt that explains the `move` tool and the actions as `move` calls; with text
+        and `stop_after_move`, a stop sequence at each ```Move``` block, so a turn ends at its
+        move."""
         if self.cfg.action_format == "tools":
             self.system_prompt = prompts.load(self.tools_prompt).strip()
+            self.action_set = tuple(move_call(a.strip("`")) for a in type(self).action_set)
         elif self.cfg.stop_after_move:
             self.stop_sequences = tuple(f"```{m.capitalize()}```" for m in moves)
 

@@ -342,7 +342,7 @@ class SokobanEnv(GridGame):
         return move_action(rng.choice(WALK), self.cfg.action_format)
 
     def best_actions(self) -> list[str]:
-        return [f"```{m}```" for m in shortest_first_moves(self.room)]
+        return [move_action(m, self.cfg.action_format) for m in shortest_first_moves(self.room)]
 
     # -- views --------------------------------------------------------------------------------
     @property

@@ -125,17 +125,29 @@ def expert_episode(
     mode the moves are OpenAI `tool_calls` answered by `tool` messages, so `agentree sft`
     writes them in the policy's call format."""
     (obs, _), steps = expert_steps(env, task, expert_prob, rng)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": obs}]
-    for i, (action, obs, *_) in enumerate(steps):
-        if env.tools():
-            (call,) = as_tool_action(action, env.tools()).calls
+    messages = episode_messages(env, obs, [(action, o) for action, o, *_ in steps])
+    info = steps[-1][-1]
+    return messages[:-1], bool(info.get("success", steps[-1][2] >= 1.0))
+
+
+def episode_messages(
+    env: Env, observation: str, steps: Sequence[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """Chat messages of an episode on `env` from its first `observation` and its (action,
+    observation) steps, ending with the last observation. Where the env has tools the actions
+    are OpenAI `tool_calls` answered by `tool` messages, which the policy's chat format writes
+    in its call format (`agentree.models.sft.example_from_messages`)."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": observation}]
+    tools = env.tools()
+    for i, (action, obs) in enumerate(steps):
+        if tools:
+            (call,) = as_tool_action(action, tools).calls
             call = ToolCall(call.name, call.arguments, f"call_{i}")
             messages.append({"role": "assistant", "content": "", "tool_calls": [call.to_openai()]})
             messages.append({"role": "tool", "tool_call_id": call.id, "content": obs})
         else:
             messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
-    info = steps[-1][-1]
-    return messages[:-1], bool(info.get("success", steps[-1][2] >= 1.0))
+    return messages
 
 
 def walker_success(
@@ -187,15 +199,16 @@ def first_move_skill(
 
     `top1` for a policy that knows nothing much: FrozenLake about 0.31 (it knows only which
     moves stay on the map), Sokoban about 0.27 (most rooms have one shortest first move).
-    `prefix` goes before every prompt.
+    The prompt is the rollouts' (the env's system prompt and tools); `prefix` goes before it.
     """
+    tools = tool_schemas(env.tools()) or None
 
     def first_states() -> Iterator[tuple[list[int], list[str]]]:
         for task in tasks:
             obs, _ = env.reset(seed=task.seed, options=task.options)
             best = env.best_actions()
             if best:
-                yield [*prefix, *chat.prompt_ids(obs)], best
+                yield [*prefix, *chat.prompt_ids(obs, env.system_prompt, tools)], best
 
     skill = action_skill(model, chat, env, first_states())
     return {"top1": skill["top1"], "p_best": skill["p_best"], "maps": skill["states"]}
@@ -211,7 +224,8 @@ def action_skill(
     `top1`: share of states where the policy's most likely action is a best one; `p_best`: the
     mean probability it puts on best actions, which is what sampling at temperature 1 gets;
     `states`: how many. Probabilities are over `env.action_set` only (an action of several
-    tokens: the product of its tokens').
+    tokens: the product of its tokens'), each written as the policy writes it: a tool env's
+    calls in the chat's call format.
     """
     # deferred: torch takes seconds to import; config (which the CLI imports at start) imports
     # this module
@@ -220,7 +234,11 @@ def action_skill(
     actions = list(env.action_set)
     if not actions:
         raise ValueError(f"{type(env).__name__} has no fixed action set (Env.action_set)")
-    action_ids = [chat.encode(a) for a in actions]
+    if tools := env.tools():
+        actions_written = [chat.tool_format.format(as_tool_action(a, tools).calls) for a in actions]
+    else:
+        actions_written = actions
+    action_ids = [chat.encode(a) for a in actions_written]
     hits, mass, n = 0, 0.0, 0
     with torch.no_grad():
         for prompt, best in states:
