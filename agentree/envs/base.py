@@ -14,13 +14,17 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import gymnasium
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentree.registry import Registry
 from agentree.tools import ToolSpec
+
+ActionFormat = Literal["text", "tools"]
+"""How a policy acts in an env that offers both (`action_format` of the grid games and SWE):
+free text, or calls of the env's tools."""
 
 EVAL_SEED_OFFSET = 1_000_000_000
 """Held-out tasks draw seeds from here up, train tasks from below: the splits never overlap."""

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from agentree import prompts
-from agentree.envs.base import MoveGame, Task
+from agentree.envs.base import ActionFormat, MoveGame, Task
 from agentree.tools import ToolCall, ToolSpec, as_tool_action, call_format
 
-ActionFormat = Literal["text", "tools"]
 DIRECTIONS = ("up", "down", "left", "right")
 
 MOVE_TOOL: dict[str, Any] = {

@@ -32,7 +32,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import get_args
 
+from agentree.envs.base import ActionFormat
 from agentree.signals import interrupt_on_sigterm
 
 Log = Callable[[str], None]
@@ -131,8 +133,6 @@ text (`text`). Weights alone say neither, and a policy read in another format th
 finds no action in any turn. A command given the directory as `--policy` reads the record
 (`policy_record`) for what its config does not set."""
 
-ACTION_FORMATS = ("text", "tools")
-
 
 def write_policy_record(directory: Path | str, tool_format: str, action_format: str | None) -> None:
     """Write `POLICY_RECORD` into the policy directory `directory` (`action_format` None: the
@@ -157,7 +157,7 @@ def policy_record(path: Path | str) -> dict[str, str]:
     if (
         not isinstance(value, dict)
         or not isinstance(value.get("tool_format"), str)
-        or value.get("action_format", "text") not in ACTION_FORMATS
+        or value.get("action_format", "text") not in get_args(ActionFormat)
     ):
         raise ValueError(
             f'{record} should be a JSON object {{"tool_format": NAME, "action_format": '

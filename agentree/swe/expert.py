@@ -44,6 +44,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentree.chat import ChatFormat
+from agentree.envs.base import ActionFormat
 from agentree.envs.swe.env import SENTINEL, SUBMIT_ACTION, SWEEnv, parse_commands
 from agentree.hub.pretrained import local_policy
 from agentree.hub.store import build_once, cache_root, content_key
@@ -675,7 +676,7 @@ class WarmConfig(BaseModel):
     edit: Edit = "sed"
     """How the expert writes one-line edits (`EDITS`); kept in the checkpoint
     (`WARM_CONFIG`) so the per-turn match compares the policy with the expert it learned."""
-    action_format: Literal["text", "tools"] = "text"
+    action_format: ActionFormat = "text"
     """text: bash blocks; tools: the same commands as `execute_bash` calls and `submit`
     (`tool_form`), for SWEEnv's tool mode."""
     tool_format: str = "hermes"

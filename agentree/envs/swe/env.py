@@ -23,11 +23,18 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field
 
-from agentree.envs.base import Env, EnvConfig, Task, read_records, records_to_tasks
+from agentree.envs.base import (
+    ActionFormat,
+    Env,
+    EnvConfig,
+    Task,
+    read_records,
+    records_to_tasks,
+)
 from agentree.envs.swe import local_suite
 from agentree.envs.swe.grading import grade
 from agentree.envs.swe.images import ensure_image, ensure_images
@@ -88,7 +95,7 @@ class SWEConfig(EnvConfig):
     'registry/sweb.eval.x86_64.{docker_id}:latest' ({instance_id} and {docker_id} are filled)."""
     build_local: bool = True
     """Build missing images of the bundled local suite on demand."""
-    action_format: Literal["text", "tools"] = "text"
+    action_format: ActionFormat = "text"
     """text: one ```bash block per response (mini-swe-agent); tools: calls of execute_bash,
     file_editor, search and submit (R2E-Gym / SWE-agent, `agentree.envs.swe.tools`)."""
 
