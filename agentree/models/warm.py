@@ -234,11 +234,9 @@ def action_skill(
     actions = list(env.action_set)
     if not actions:
         raise ValueError(f"{type(env).__name__} has no fixed action set (Env.action_set)")
-    if tools := env.tools():
-        actions_written = [chat.tool_format.format(as_tool_action(a, tools).calls) for a in actions]
-    else:
-        actions_written = actions
-    action_ids = [chat.encode(a) for a in actions_written]
+    tools = env.tools()
+    written = [chat.render_calls(as_tool_action(a, tools)) if tools else a for a in actions]
+    action_ids = [chat.encode(a) for a in written]
     hits, mass, n = 0, 0.0, 0
     with torch.no_grad():
         for prompt, best in states:
