@@ -217,6 +217,25 @@ class CallFormat:
         are the whole turn, as in the JSON and Python formats."""
         return ""
 
+    _opener = ""
+    """The first character of a turn that is calls (after `_tags` and spaces)."""
+    _tags: tuple[str, ...] = ()
+    """Markers the format allows around its calls, read as nothing."""
+
+    def settled(self, text: str) -> str:
+        """The start of a reply's `content` that no continuation of `text` can change, for
+        streaming it while the rest is generated: a reply is either plain content (the whole
+        text) or calls with `content(text)` around them, and what is returned starts both. In
+        the JSON and Python formats a turn is calls from its first character on, so nothing
+        is settled until a first character that is neither the opener nor part of a tag."""
+        body = text
+        for tag in self._tags:
+            body = body.replace(tag, "")
+        body = body.lstrip()
+        if not body or body.startswith(self._opener) or held_back(body, self._tags) == len(body):
+            return ""
+        return text
+
     def parse_action(self, text: str, schemas: Sequence[dict[str, Any]]) -> ToolAction:
         """`text` with its calls, or with the first reason it is not a well-formed call."""
         try:
@@ -246,6 +265,24 @@ class TextFormat(CallFormat):
         raise ValueError(
             "the text format has no tool calls; pick hermes, llama3_json, pythonic or qwen3_coder"
         )
+
+    def settled(self, text: str) -> str:
+        return text
+
+
+def held_back(text: str, marks: Sequence[str]) -> int:
+    """How many characters at the end of `text` may be the start of one of `marks` (the
+    longest such suffix, shorter than the mark): what a stream holds back until the next
+    token says whether the mark is there."""
+    return max(
+        (
+            k
+            for m in marks
+            for k in range(min(len(m) - 1, len(text)), 0, -1)
+            if text.endswith(m[:k])
+        ),
+        default=0,
+    )
 
 
 def _call_from_json(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall:
@@ -289,6 +326,14 @@ class HermesFormat(CallFormat):
 
     def content(self, text: str) -> str:
         return self._BLOCK.sub("", text).strip()
+
+    def settled(self, text: str) -> str:
+        """The text before the first `<tool_call>` (or the start of one), without its trailing
+        spaces, which `content` strips when calls follow; nothing while the text starts with a
+        space, which `content` strips too and plain content keeps."""
+        start = text.find("<tool_call>")
+        head = text[:start] if start >= 0 else text[: len(text) - held_back(text, ["<tool_call>"])]
+        return head.rstrip() if head == head.lstrip() else ""
 
 
 class Qwen3CoderFormat(HermesFormat):
@@ -395,6 +440,8 @@ class Llama3JsonFormat(CallFormat):
 
     name = "llama3_json"
     generic_prompt = "tools/llama3_json.txt"
+    _opener = "{"
+    _tags = ("<|python_tag|>",)
 
     def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
         body = text.replace("<|python_tag|>", "").strip()
@@ -421,6 +468,8 @@ class PythonicFormat(CallFormat):
 
     name = "pythonic"
     generic_prompt = "tools/pythonic.txt"
+    _opener = "["
+    _tags = ("<|python_start|>", "<|python_end|>")
 
     def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
         body = text.replace("<|python_start|>", "").replace("<|python_end|>", "").strip()

@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 import pytest
 
 from agentree.distributed.cluster import processes_matching
-from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.engines.base import (
+    Completion,
+    EngineStats,
+    SamplingParams,
+    TokenSink,
+    report_tokens,
+)
 
 
 class ScriptedEngine:
@@ -44,7 +50,10 @@ class ScriptedEngine:
         return 100_000
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         self.calls.append(len(prompts))
         out = []
@@ -55,6 +64,7 @@ class ScriptedEngine:
             self.stats.tokens_generated += len(ids) * params.n
             self.stats.tokens_prefilled += len(p)
             out.append([Completion(list(ids), [0.0] * len(ids), "stop") for _ in range(params.n)])
+        report_tokens(out, on_token)
         return out
 
     def seed(self, seed: int) -> None:

@@ -5,7 +5,10 @@ import torch
 
 from agentree.chat import ChatFormat
 from agentree.engines.base import SamplingParams
+from agentree.engines.hf import _Batch
 from agentree.envs import make_env
+
+_forward = _Batch._forward
 
 
 def teacher_forced(engine, prompt, completion):
@@ -65,6 +68,33 @@ def test_identical_prompts_prefilled_once_but_sampled_independently(hf_engine):
     outs = hf_engine.generate([ps[0]] * 6, SamplingParams(max_tokens=12, stop_token_ids=()))
     assert hf_engine.stats.tokens_prefilled - before == len(ps[0])
     assert len({tuple(o[0].token_ids) for o in outs}) > 1
+
+
+def test_on_token_hears_every_token_of_every_completion_as_it_is_sampled(hf_engine, monkeypatch):
+    """`on_token(i, t)` gets each completion's tokens in order, `i` counting completions prompt
+    by prompt, with repeated prompts (prefilled once) and calls split into several batches;
+    each token is heard before the next decoding step (the step's forward is counted)."""
+    chat, ps = prompts(hf_engine, 2)
+    order = [ps[0], ps[1], ps[0], ps[0]]  # a repeated prompt, not adjacent
+    params = SamplingParams(max_tokens=6, stop_token_ids=chat.stop_token_ids, n=2, seed=1)
+    monkeypatch.setattr(hf_engine, "max_batch_size", 3)  # three batches
+    heard: dict[int, list[int]] = {}
+    forwards: list[int] = []
+    at: list[int] = []  # the forwards done when each token was heard
+    monkeypatch.setattr(
+        "agentree.engines.hf._Batch._forward",
+        lambda self, *a: forwards.append(1) or _forward(self, *a),
+    )
+
+    def on_token(i: int, t: int) -> None:
+        heard.setdefault(i, []).append(t)
+        at.append(len(forwards))
+
+    outs = hf_engine.generate(order, params, on_token)
+    assert heard == {i: c.token_ids for i, c in enumerate(c for comps in outs for c in comps)}
+    assert len(set(at)) >= 6  # heard between the decoding steps, not after the last
+    again = hf_engine.generate(order, params)  # without the hook, the same draws
+    assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in again]
 
 
 def test_greedy_is_deterministic_and_topk_restricts(hf_engine):

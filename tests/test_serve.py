@@ -183,14 +183,72 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(client, server) -> None:
     whole = client.completions.create(**text, logprobs=2)
     chunks = list(client.completions.create(**text, logprobs=2, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert len([c for c in chunks if c.choices[0].text]) == 8  # a chunk per token
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[0].choices[0].logprobs == whole.choices[0].logprobs
+    # the log-probs come whole with the completion's last text
+    assert [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs] == [
+        whole.choices[0].logprobs
+    ]
+    # a stop string that shows, and one whose start shows again and again but never ends:
+    # its possible start is held back and sent when it is not the stop string after all
+    for stop in (["G G G"], ["G G G X"]):
+        whole = client.completions.create(**text, stop=stop).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**text, stop=stop, stream=True)]
+        assert "".join(c.text for c in chunks) == whole.text
+        assert chunks[-1].finish_reason == whole.finish_reason
+    assert whole.text == " G G G G G G G G" and len([c for c in chunks if c.text]) < 8
     raw = json.dumps({**text, "stream": True}).encode()
     # the raw events, as a client without a library reads them
     with urllib.request.urlopen(urllib.request.Request(server.url + "/completions", raw)) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         events = r.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+
+
+class GatedEngine:
+    """The server's engine, holding its decoding after `after` tokens until `release` is set:
+    a client that has the first tokens by then was sent them while the rest was decoded."""
+
+    def __init__(self, engine, after: int) -> None:
+        self.engine, self.after = engine, after
+        self.heard, self.done, self.release = 0, False, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params, on_token=None):
+        def heard(i: int, t: int) -> None:
+            self.heard += 1
+            on_token(i, t)
+            if self.heard == self.after:
+                self.release.wait(30)
+
+        out = self.engine.generate(prompts, params, heard if on_token else None)
+        self.done = True
+        return out
+
+
+def test_a_stream_sends_each_token_while_the_rest_is_decoded(server) -> None:
+    """On the transformers engine a streamed completion's first tokens reach the client while
+    the engine is still decoding: the engine waits after its third token, and the client
+    reads three chunks of text before it goes on; the whole stream still joins to the
+    unstreamed answer."""
+    from agentree.commands.serve import OpenAIServer, ServerHandle
+
+    gated = GatedEngine(server.api.engine, after=3)
+    api = OpenAIServer(gated, server.api.tokenizer, "gated")
+    with ServerHandle(api, "127.0.0.1", 0).start() as handle:
+        client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        text = {"model": "gated", "prompt": "P _ G", "max_tokens": 12, "temperature": 0}
+        stream = client.completions.create(**text, stream=True)
+        first = [next(stream).choices[0].text for _ in range(3)]
+        assert not gated.done and gated.heard == 3  # sent while decoding waited
+        gated.release.set()
+        rest = [c.choices[0].text for c in stream]
+        gated.after = 0
+        whole = client.completions.create(**text)
+        assert "".join(first + rest) == whole.choices[0].text and all(first)
+        client.close()
 
 
 def test_errors_are_openai_errors(client, server) -> None:
@@ -254,7 +312,8 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server) -> None:
 
 
 def test_concurrent_requests_share_engine_calls(server) -> None:
-    """A request that arrives while the engine is busy joins the next batched call."""
+    """A request that arrives while the engine is busy joins the next batched call; in a
+    merged call each streamed request hears its own tokens and no other's."""
     engine = server.api.engine
     gate = threading.Event()
     entered = threading.Event()
@@ -263,20 +322,22 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     class Gated:  # the real engine, held at the door until the queue has filled up
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, on_token=None):
             calls.append(len(prompts))
             entered.set()
             gate.wait(30)
-            return engine.generate(prompts, params)
+            return engine.generate(prompts, params, on_token)
 
     batcher = Batcher(Gated())  # type: ignore[arg-type]
     tok = server.api.tokenizer
     params = SamplingParams(max_tokens=4, temperature=0.0)
     prompts = [tok.encode(f"_ {i} P") for i in range(5)]
     results: dict[int, list] = {}
+    heard: dict[int, list[tuple[int, int]]] = {2: [], 4: []}  # the streamed requests
 
     def ask(i: int) -> None:
-        results[i] = batcher.generate([prompts[i]], params)
+        sink = heard[i].append if i in heard else None
+        results[i] = batcher.submit([prompts[i]], params, sink and (lambda *a: sink(a))).result()
 
     threads = [threading.Thread(target=ask, args=(0,))]
     threads[0].start()
@@ -294,6 +355,8 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     assert calls == [1, 4]
     for i, p in enumerate(prompts):
         assert results[i][0][0].token_ids == engine_greedy(server, p, 4)
+    for i, tokens in heard.items():
+        assert tokens == [(0, t) for t in results[i][0][0].token_ids]
 
 
 def test_add_serve_command_registers_the_subcommand() -> None:
@@ -533,3 +596,63 @@ def test_chat_with_tools_answers_the_openai_client_with_tool_calls(smollm2) -> N
         (again,) = streamed.message.tool_calls
         assert (again.function.name, again.function.arguments) == ("move", call.function.arguments)
         client.close()
+
+
+def test_a_streamed_reply_with_tools_joins_to_the_unstreamed_one_in_every_call_format(
+    smollm2,
+) -> None:
+    """Streamed with tools, in each call format: plain content comes in several chunks as it
+    is written, a call's text comes once the reply is read (the calls as `tool_calls`), a
+    malformed call as the content it is; the deltas join to the unstreamed message."""
+    from helpers import ScriptedEngine
+    from transformers import AutoTokenizer
+
+    from agentree.commands.serve import OpenAIServer, ServerHandle
+    from agentree.tools import ToolCall, call_format
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    move = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"direction": {"type": "string"}},
+                "required": ["direction"],
+            },
+        },
+    }
+    for name in ("hermes", "qwen3_coder", "llama3_json", "pythonic"):
+        call = call_format(name).format([ToolCall("move", {"direction": "up"})])
+        replies = [
+            "The goal is up and to the left.",
+            call,
+            "[oops(" if name == "pythonic" else call[:-3],
+        ]
+        if name in ("hermes", "qwen3_coder"):
+            replies.append("Going up.\n" + call)
+        reply = iter([r for r in replies for _ in (0, 1)])  # unstreamed, then streamed
+        api = OpenAIServer(
+            ScriptedEngine(tok, lambda _c, _i, reply=reply: next(reply)), tok, "p", tool_format=name
+        )
+        with ServerHandle(api, "127.0.0.1", 0).start() as handle:
+            client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0)
+            req = {"model": "p", "messages": [{"role": "user", "content": "P _ G"}]}
+            for text in replies:
+                whole = client.chat.completions.create(**req, tools=[move]).choices[0]
+                chunks = [
+                    c.choices[0]
+                    for c in client.chat.completions.create(**req, tools=[move], stream=True)
+                ]
+                content = [c.delta.content for c in chunks if c.delta.content]
+                assert "".join(content) == (whole.message.content or ""), (name, text)
+                calls = [t for c in chunks for t in c.delta.tool_calls or []]
+                assert [(t.function.name, t.function.arguments) for t in calls] == [
+                    (t.function.name, t.function.arguments) for t in whole.message.tool_calls or []
+                ]
+                assert chunks[-1].finish_reason == whole.finish_reason
+                if text.startswith("The goal"):  # plain: a chunk per token as it is written
+                    assert whole.finish_reason == "stop" and len(content) > 3
+                elif text == call:
+                    assert whole.finish_reason == "tool_calls" and not content
+            client.close()

@@ -749,3 +749,77 @@ def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_toke
     assert trajectory.reward == 1.0
     assert list(trajectory.token_ids) == example.token_ids
     assert list(trajectory.loss_mask) == example.loss_mask
+
+
+def test_a_streamed_reply_settles_only_what_no_later_token_changes(smol_tokenizer):
+    """`CallFormat.settled` on every prefix of replies in each format is a prefix of the
+    reply's final content, whichever way the reply ends (plain content, calls, a malformed
+    call), and plain content settles as it is written: what `agentree serve` streams."""
+    from agentree.tool_messages import completion_message
+
+    assert T.held_back("abc<tool", ["<tool_call>"]) == 5
+    assert T.held_back("abc", ["<tool_call>"]) == 0
+    assert T.held_back("ab<", ["<tool_call>", "<|x"]) == 1
+    assert T.held_back("xx\nUs", ["STOP", "\nUser:"]) == 3
+    assert T.held_back("<tool_call>", ["<tool_call>"]) == 0  # a whole mark is not held back
+    hermes, pythonic, llama = (call_format(f) for f in ("hermes", "pythonic", "llama3_json"))
+    for text, settled in [
+        ("Going up.", "Going up."),
+        ("Going up.  ", "Going up."),  # content() strips the spaces before a call
+        ("Going up.<tool", "Going up."),
+        ('Going up.<tool_call>{"name"', "Going up."),
+        (" Going", ""),  # a leading space: plain content keeps it, content() does not
+        ("", ""),
+    ]:
+        assert hermes.settled(text) == settled
+    for text, settled in [
+        ("I will", "I will"),
+        ("  [move(", ""),
+        ("<|python_st", ""),
+        ("<|python_start|>[m", ""),
+        ("<|python_start|>Hi", "<|python_start|>Hi"),
+        ("  ", ""),
+    ]:
+        assert pythonic.settled(text) == settled
+    assert (llama.settled("{"), llama.settled("<|python_tag|>{"), llama.settled("Hi")) == (
+        "",
+        "",
+        "Hi",
+    )
+    assert call_format("text").settled(" [x") == " [x"
+
+    up = {"direction": "up"}
+    replies = {
+        "hermes": [
+            "Going up.\n" + hermes.format([ToolCall("move", up)]),
+            " lead <tool_call>{bad</tool_call>",
+            "plain answer  ",
+            f"a {hermes.format([ToolCall('move', up)])} then more",
+            "x <tool_ca",
+        ],
+        "qwen3_coder": [
+            "Up. " + call_format("qwen3_coder").format([ToolCall("move", up)]),
+            "<tool_call><function=move>",
+        ],
+        "pythonic": [
+            pythonic.format([ToolCall("move", up)]),
+            " " + pythonic.format([ToolCall("move", up)]),
+            "Sure " + pythonic.format([ToolCall("move", up)]),
+            "<|python_start|>" + pythonic.format([ToolCall("move", up)]) + "<|python_end|>",
+            "[broken",
+        ],
+        "llama3_json": [
+            llama.format([ToolCall("move", up)]),
+            "Hi " + llama.format([ToolCall("move", up)]),
+            "{bad",
+        ],
+    }
+    for name, texts in replies.items():
+        chat = ChatFormat(smol_tokenizer, name)
+        for text in texts:
+            message, _ = completion_message(chat, text, [MOVE], "stop")
+            final = message["content"] or ""
+            for k in range(len(text) + 1):
+                assert final.startswith(chat.tool_format.settled(text[:k])), (name, text, k)
+            if text.startswith(("plain", "Sure", "Hi")):  # plain content, settled as written
+                assert chat.tool_format.settled(text) == text.rstrip() == final.rstrip()

@@ -275,6 +275,16 @@ def test_served_endpoint_answers_the_judge(trainer, engine) -> None:
         )
         assert r.usage.completion_tokens >= 1
         assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+        # streamed (the offline engine reports its tokens when the batch is done): the deltas
+        # join to the unstreamed reply drawn with the same seed
+        req = {"model": "tiny-judge", "messages": [{"role": "user", "content": "go"}]}
+        whole = client.chat.completions.create(**req, max_tokens=8, seed=5).choices[0]
+        parts = [
+            c.choices[0]
+            for c in client.chat.completions.create(**req, max_tokens=8, seed=5, stream=True)
+        ]
+        assert "".join(p.delta.content or "" for p in parts) == whole.message.content
+        assert parts[-1].finish_reason == whole.finish_reason
         j = judge(handle.url, model="tiny-judge", max_tokens=16, retries=0)
         scores = j.score(None, [branch(GREP)])
         j.close()

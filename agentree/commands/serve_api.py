@@ -6,11 +6,13 @@ request onto `SamplingParams` and builds the OpenAI response. `agentree serve` p
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -18,13 +20,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
-from agentree.engines.base import Completion, Engine, SamplingParams
+from agentree.engines.base import Completion, Engine, SamplingParams, TokenSink
 from agentree.tool_messages import (
     ToolRequestError,
     completion_message,
     render_request,
     request_tools,
 )
+from agentree.tools import held_back
+
+log = logging.getLogger("agentree.commands.serve")
+
+Respond = Callable[[list[list[Completion]]], dict[str, Any]]
+"""How a request's completions become its response."""
 
 MAX_BODY_BYTES = 8 << 20
 """Largest request body accepted (8 MiB holds a 100k-token prompt sent as token ids)."""
@@ -110,8 +118,8 @@ class SamplingRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     stream: bool | None = None
-    """Answer as server-sent events (`stream_chunks`): the chunks come once the completion is
-    done, as the engine decodes whole batches; a token-by-token stream is `vllm serve`'s."""
+    """Answer as server-sent events (`OpenAIServer.stream`): the text as it is generated,
+    token by token on the transformers engine (at the end on vLLM's offline engine)."""
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -153,6 +161,7 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     future: Future
+    on_token: TokenSink | None = None
 
 
 class Batcher:
@@ -167,10 +176,17 @@ class Batcher:
         self.calls = 0
         """Engine calls made (fewer than requests when requests were merged)."""
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Future:
-        """Queue a request; the future holds one list of completions per prompt."""
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
+    ) -> Future:
+        """Queue a request; the future holds one list of completions per prompt, and
+        `on_token` (called on the engine's thread) hears this request's tokens as
+        `Engine.generate` tells them."""
         fut: Future = Future()
-        self._queue.put(_Job(prompts, params, fut))
+        self._queue.put(_Job(prompts, params, fut, on_token))
         return fut
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -202,9 +218,20 @@ class Batcher:
 
     def _call(self, group: list[_Job]) -> None:
         prompts = [p for j in group for p in j.prompts]
+        n = group[0].params.n
+        # completion index of the merged call -> (its job's sink, its index in that job)
+        owners = [(j.on_token, i) for j in group for i in range(len(j.prompts) * n)]
+
+        def heard(index: int, token: int) -> None:
+            sink, i = owners[index]
+            if sink is not None:
+                sink(i, token)
+
+        streamed = any(j.on_token is not None for j in group)
         try:
             self.calls += 1
-            outs = self.engine.generate(prompts, group[0].params)
+            hook = {"on_token": heard} if streamed else {}  # only streams need the hook
+            outs = self.engine.generate(prompts, group[0].params, **hook)
         except Exception as e:
             for j in group:
                 j.future.set_exception(e)
@@ -260,29 +287,71 @@ class OpenAIServer:
         }
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        prompts, params, respond = self._completion_plan(req)
+        return respond(await asyncio.wrap_future(self.batcher.submit(prompts, params)))
+
+    async def chat(self, req: ChatRequest) -> dict[str, Any]:
+        prompts, params, respond, _settled = self._chat_plan(req)
+        return respond(await asyncio.wrap_future(self.batcher.submit(prompts, params)))
+
+    def stream(self, req: CompletionRequest | ChatRequest) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of a `stream: true` request, as OpenAI sends them: for chat the
+        assistant role of every choice first, then each choice's text as it is generated (what
+        no later token can change: a stop string or a tool call that may be starting, and an
+        unfinished character, wait for the next token), and when the completion is done the
+        rest of each choice (`stream_chunks`: the remaining text, the choice's log-probs, its
+        tool calls, its finish reason), and the usage if asked. The deltas join to the
+        response `completions` or `chat` gives. The request is checked before the first chunk:
+        an invalid one raises `APIError` here; an engine failure later ends the stream with an
+        error chunk."""
+        if isinstance(req, ChatRequest):
+            prompts, params, respond, settled = self._chat_plan(req)
+        else:
+            prompts, params, respond = self._completion_plan(req)
+            settled = None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chat = isinstance(req, ChatRequest)
+        return self._stream(prompts, params, respond, chat, settled, include_usage)
+
+    # -- request plans: the engine call and how its completions become the response -------------
+    def _completion_plan(
+        self, req: CompletionRequest
+    ) -> tuple[list[list[int]], SamplingParams, Respond]:
         self._check_common(req)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = self._prompt_ids(req.prompt)
         params = self._sampling(req, prompts, req.max_tokens or 16, top=req.logprobs or 0)
-        outs = await asyncio.wrap_future(self.batcher.submit(prompts, params))
-        choices = []
-        for comps in outs:
-            for c in comps:
-                text, ids, finish, k = self._finish(c, params)
-                choice: dict[str, Any] = {
-                    "index": len(choices),
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-                if req.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(c, k)
-                choice["_tokens"] = len(ids)
-                choices.append(choice)
-        return self._response("text_completion", "cmpl", choices, prompts)
 
-    async def chat(self, req: ChatRequest) -> dict[str, Any]:
+        def respond(outs: list[list[Completion]]) -> dict[str, Any]:
+            choices = []
+            for comps in outs:
+                for c in comps:
+                    text, ids, finish, k = self._finish(c, params)
+                    choice: dict[str, Any] = {
+                        "index": len(choices),
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                    if req.logprobs is not None:
+                        choice["logprobs"] = self._completion_logprobs(c, k)
+                    choice["_tokens"] = len(ids)
+                    choices.append(choice)
+            return self._response("text_completion", "cmpl", choices, prompts)
+
+        return prompts, params, respond
+
+    def _chat_plan(
+        self, req: ChatRequest
+    ) -> tuple[
+        list[list[int]],
+        SamplingParams,
+        Respond,
+        Callable[[str], str] | None,
+    ]:
+        """The chat request's prompt, sampling, response builder, and (with tools) the rule
+        for how much of a text is settled content (`CallFormat.settled`)."""
         self._check_common(req)
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -305,20 +374,72 @@ class OpenAIServer:
         params = self._sampling(
             req, prompts, max_tokens or max(1, min(self.default_max_tokens, room)), top
         )
-        comps = (await asyncio.wrap_future(self.batcher.submit(prompts, params)))[0]
-        choices = []
-        for c in comps:
-            text, ids, finish, k = self._finish(c, params)
-            message, finish = completion_message(self.chat_format, text, tools, finish)
-            choice: dict[str, Any] = {
-                "index": len(choices),
-                "message": message,
-                "logprobs": {"content": self._chat_logprobs(c, k)} if req.logprobs else None,
-                "finish_reason": finish,
-                "_tokens": len(ids),
-            }
-            choices.append(choice)
-        return self._response("chat.completion", "chatcmpl", choices, prompts)
+
+        def respond(outs: list[list[Completion]]) -> dict[str, Any]:
+            choices = []
+            for c in outs[0]:
+                text, ids, finish, k = self._finish(c, params)
+                message, finish = completion_message(self.chat_format, text, tools, finish)
+                choice: dict[str, Any] = {
+                    "index": len(choices),
+                    "message": message,
+                    "logprobs": {"content": self._chat_logprobs(c, k)} if req.logprobs else None,
+                    "finish_reason": finish,
+                    "_tokens": len(ids),
+                }
+                choices.append(choice)
+            return self._response("chat.completion", "chatcmpl", choices, prompts)
+
+        return prompts, params, respond, self.chat_format.tool_format.settled if tools else None
+
+    async def _stream(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        respond: Respond,
+        chat: bool,
+        settled: Callable[[str], str] | None,
+        include_usage: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        heard: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+
+        def tell(item: tuple[int, int] | None) -> None:  # on the engine's thread
+            # a closed loop (the server stopping) has nobody listening
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(heard.put_nowait, item)
+
+        future = self.batcher.submit(prompts, params, lambda i, t: tell((i, t)))
+        # the end comes after every token: the engine's thread queues them in order
+        future.add_done_callback(lambda _f: tell(None))
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = _chunk_head(ident, chat, int(time.time()), self.model_name)
+        usage = {"usage": None} if include_usage else {}
+        count = len(prompts) * params.n
+        ids: list[list[int]] = [[] for _ in range(count)]
+        sent = [""] * count
+        if chat:
+            for i in range(count):
+                yield _chunk(head, usage, i, delta={"role": "assistant", "content": ""})
+        while (item := await heard.get()) is not None:
+            i, token = item
+            ids[i].append(token)
+            text = self._streamable(ids[i], params)
+            if settled is not None:
+                text = settled(text)
+            if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                new, sent[i] = text[len(sent[i]) :], text
+                part = {"delta": {"content": new}} if chat else {"text": new}
+                yield _chunk(head, usage, i, **part)
+        try:
+            response = respond(future.result())
+        except Exception as e:
+            log.error("streamed request failed", exc_info=e)
+            yield APIError(500, f"{type(e).__name__}: {e}", "server_error").body()
+            return
+        response.update(id=head["id"], created=head["created"])
+        for c in stream_chunks(response, sent, include_usage):
+            yield c
 
     @property
     def chat_format(self) -> ChatFormat:
@@ -405,6 +526,18 @@ class OpenAIServer:
             return text[:pos], ids[:k], "stop", k
         return text, ids, finish, len(ids)
 
+    def _streamable(self, ids: list[int], params: SamplingParams) -> str:
+        """The text of the tokens so far that `_finish` keeps whatever comes next: up to a
+        stop string, without an end that may be the start of one or an unfinished character
+        (decoded as U+FFFD until its last byte comes), and without a final stop token."""
+        stop_ids = set(params.stop_token_ids) | set(self.engine.eos_token_ids)
+        body = ids[:-1] if ids and ids[-1] in stop_ids else ids
+        text = self._decode(body).rstrip("\ufffd")
+        cut = [text.find(s) for s in params.stop if s in text]
+        if cut:
+            return text[: min(cut)]
+        return text[: len(text) - held_back(text, params.stop)]
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -466,41 +599,62 @@ class OpenAIServer:
         self.batcher.close()
 
 
-def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> list[dict[str, Any]]:
-    """A finished `chat.completion` or `text_completion` response as the chunks OpenAI's
-    `stream: true` sends, in order: per choice, for chat the assistant role, then its content
-    (with the log-probs), then its tool calls (each with its `index`), then an empty delta with
-    the finish reason; for text the text with its log-probs, then the finish reason. With
+def stream_chunks(
+    response: dict[str, Any], sent: Sequence[str], include_usage: bool = False
+) -> list[dict[str, Any]]:
+    """The chunks that end a stream once its `chat.completion` or `text_completion` response
+    is done, `sent[i]` being the text of choice `i` already streamed (after its role, for
+    chat): per choice the rest of its text, then (chat) its tool calls, each with its `index`,
+    then the finish reason; the choice's log-probs ride on the first of these. With
     `include_usage` every chunk carries `usage: null` and a last chunk with no choices carries
     the usage. A client that joins the deltas gets the response back."""
     chat = response["object"] == "chat.completion"
-    head = {
-        "id": response["id"],
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": response["created"],
-        "model": response["model"],
-    }
+    head = _chunk_head(response["id"], chat, response["created"], response["model"])
     usage = {"usage": None} if include_usage else {}
     out = []
-
-    def chunk(index: int, finish: str | None = None, logprobs: Any = None, **part: Any) -> None:
-        choice = {"index": index, **part, "logprobs": logprobs, "finish_reason": finish}
-        out.append({**head, "choices": [choice], **usage})
-
     for c in response["choices"]:
-        i = c["index"]
+        i, logprobs = c["index"], c["logprobs"]
+        text = (c["message"].get("content") or "") if chat else c["text"]
+        if not text.startswith(sent[i]):
+            # the settling rules make this impossible; say so rather than join wrongly unseen
+            log.error("choice %d streamed %r, which its final text %r does not start with",
+                      i, sent[i], text)  # fmt: skip
+        rest = text[len(sent[i]) :]
+        parts: list[dict[str, Any]] = []
         if not chat:
-            chunk(i, text=c["text"], logprobs=c["logprobs"])
-            chunk(i, c["finish_reason"], text="")
-            continue
-        message = c["message"]
-        chunk(i, delta={"role": "assistant", "content": ""})
-        if message.get("content"):
-            chunk(i, delta={"content": message["content"]}, logprobs=c["logprobs"])
-        calls = message.get("tool_calls") or []
+            parts.append({"text": rest})
+        elif rest:
+            parts.append({"delta": {"content": rest}})
+        calls = (c["message"].get("tool_calls") or []) if chat else []
         if calls:
-            chunk(i, delta={"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
-        chunk(i, c["finish_reason"], delta={})
+            parts.append(
+                {"delta": {"tool_calls": [{"index": k, **t} for k, t in enumerate(calls)]}}
+            )
+        for k, part in enumerate(parts):
+            out.append(_chunk(head, usage, i, logprobs=logprobs if k == 0 else None, **part))
+        end = {"text": ""} if not chat else {"delta": {}}
+        out.append(
+            _chunk(head, usage, i, c["finish_reason"], logprobs if not parts else None, **end)
+        )
     if include_usage:
         out.append({**head, "choices": [], "usage": response["usage"]})
     return out
+
+
+def _chunk_head(ident: str, chat: bool, created: int, model: str) -> dict[str, Any]:
+    """The fields every chunk of one streamed response repeats."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": ident, "object": obj, "created": created, "model": model}
+
+
+def _chunk(
+    head: dict[str, Any],
+    usage: dict[str, Any],
+    index: int,
+    finish: str | None = None,
+    logprobs: Any = None,
+    **part: Any,
+) -> dict[str, Any]:
+    """One streamed chunk: choice `index` with its `delta` (chat) or `text`."""
+    choice = {"index": index, **part, "logprobs": logprobs, "finish_reason": finish}
+    return {**head, "choices": [choice], **usage}

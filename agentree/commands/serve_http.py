@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,6 @@ from agentree.commands.serve_api import (
     CompletionRequest,
     OpenAIServer,
     SamplingRequest,
-    stream_chunks,
 )
 
 log = logging.getLogger("agentree.commands.serve")
@@ -55,11 +55,11 @@ def build_app(api: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     # under a JSON Content-Type: `curl -d` (form-encoded by default) must work as it always did.
     async def completions(request: Request) -> Any:
         req = _parse(CompletionRequest, await request.body())
-        return _answer(req, await api.completions(req))
+        return _events(api.stream(req)) if req.stream else await api.completions(req)
 
     async def chat(request: Request) -> Any:
         req = _parse(ChatRequest, await request.body())
-        return _answer(req, await api.chat(req))
+        return _events(api.stream(req)) if req.stream else await api.chat(req)
 
     for prefix in ("/v1", ""):
         for path, endpoint, method in (
@@ -77,15 +77,16 @@ async def _health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _answer(req: SamplingRequest, response: dict[str, Any]) -> Any:
-    """The response as JSON, or with `stream: true` as server-sent events (`stream_chunks`,
-    then `[DONE]`). The response is complete before the first event, so an error is still
-    answered with its status."""
-    if not req.stream:
-        return response
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    events = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(response, usage)]
-    return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
+def _events(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """A stream's chunks as server-sent events, then `[DONE]` (`OpenAIServer.stream`; the
+    request was checked before this, so an invalid one is still answered with its status)."""
+
+    async def lines() -> AsyncIterator[str]:
+        async for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
 
 
 def _parse(model: type[RequestT], raw: bytes) -> RequestT:

@@ -22,7 +22,13 @@ from typing import Any
 import ray
 
 from agentree.config import validate_config
-from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.engines.base import (
+    Completion,
+    EngineStats,
+    SamplingParams,
+    TokenSink,
+    report_tokens,
+)
 from agentree.policy import build_engine, resolve_policy
 
 BLOCK = 16
@@ -180,7 +186,10 @@ class RemoteEngine:
         return r
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         out: list[list[Completion] | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
@@ -211,7 +220,9 @@ class RemoteEngine:
                 self.stats.tokens_cached += delta["tokens_cached"]
                 self.stats.tokens_forward += delta["tokens_forward"]
         self.stats.calls += 1
-        return [c for c in out if c is not None]
+        results = [c for c in out if c is not None]
+        report_tokens(results, on_token)  # replicas answer whole batches
+        return results
 
     def revive(self, version: int, timeout: float = 5.0) -> None:
         """Before a rollout: adopt the trainer's weight version and take back the replicas

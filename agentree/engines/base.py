@@ -9,7 +9,7 @@ recomputes, so importance ratios start at 1 for on-policy data.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -96,6 +96,23 @@ class DecodeSession(Protocol):
     def close(self) -> None: ...
 
 
+TokenSink = Callable[[int, int], None]
+"""`on_token(completion index, token id)`, what `Engine.generate` tells of each token sampled."""
+
+
+def report_tokens(results: list[list[Completion]], on_token: TokenSink | None) -> None:
+    """Every token of finished `results` to `on_token`, completion by completion: how an
+    engine that returns whole batches (vLLM's offline engine, Ray replicas) keeps the hook."""
+    if on_token is None:
+        return
+    i = 0
+    for comps in results:
+        for c in comps:
+            for t in c.token_ids:
+                on_token(i, t)
+            i += 1
+
+
 @runtime_checkable
 class Engine(Protocol):
     tokenizer: Any
@@ -108,9 +125,15 @@ class Engine(Protocol):
     def max_model_len(self) -> int: ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
-        """One list of `params.n` completions per prompt."""
+        """One list of `params.n` completions per prompt. `on_token(i, token_id)` hears each
+        token as it is sampled, `i` counting completions prompt by prompt (`i // params.n` is
+        the prompt): the transformers engine calls it every decoding step, engines that
+        finish whole batches elsewhere once per token at the end (`report_tokens`)."""
         ...
 
     def open_session(

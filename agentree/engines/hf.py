@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.engines.base import Completion, EngineStats, SamplingParams, TokenSink
 from agentree.hub.load import load_policy
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -311,7 +311,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -329,6 +332,11 @@ class HFEngine:
                 mult.append(0)
             mult[u] += params.n
         keys = [list(k) for k in unique]
+        # where each unique prompt's samples land in the output, for `on_token`: its
+        # occurrences in prompt order, `params.n` samples each
+        places: list[list[int]] = [[] for _ in keys]
+        for i, p in enumerate(prompts):
+            places[unique[tuple(p)]] += range(i * params.n, (i + 1) * params.n)
         results: list[list[Completion]] = []
         was_training = self.model.training
         self.model.eval()
@@ -341,7 +349,11 @@ class HFEngine:
                 ):
                     rows += mult[stop]
                     stop += 1
-                results += self._generate_unique(keys[start:stop], mult[start:stop], params)
+                sink = None
+                if on_token is not None:
+                    rows = [i for u in range(start, stop) for i in places[u]]
+                    sink = _relabel(on_token, rows)
+                results += self._generate_unique(keys[start:stop], mult[start:stop], params, sink)
                 start = stop
         finally:
             self.model.train(was_training)
@@ -354,9 +366,14 @@ class HFEngine:
         return out
 
     def _generate_unique(
-        self, prompts: list[list[int]], counts: list[int], params: SamplingParams
+        self,
+        prompts: list[list[int]],
+        counts: list[int],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
-        """`counts[i]` completions for each distinct prompt `prompts[i]`."""
+        """`counts[i]` completions for each distinct prompt `prompts[i]`; `on_token` hears
+        each row's tokens by row (the rows are the prompts' completions in order)."""
         longest = max(len(p) for p in prompts)
         max_new = min(params.max_tokens, self._max_len - longest)
         if max_new <= 0:
@@ -383,6 +400,8 @@ class HFEngine:
             for r, slot in enumerate(live):
                 t = int(token[r])
                 toks[slot].append(t)
+                if on_token is not None:
+                    on_token(slot, t)
                 lps[slot].append(float(logprob[r]))
                 if entropy is not None:
                     ents[slot].append(float(entropy[r]))
@@ -438,6 +457,11 @@ class HFEngine:
 
     def close(self) -> None:
         self.prefix_cache.clear()
+
+
+def _relabel(on_token: TokenSink, index: list[int]) -> TokenSink:
+    """`on_token` hearing row `r` as completion `index[r]`."""
+    return lambda r, t: on_token(index[r], t)
 
 
 class _StopText:

@@ -65,7 +65,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from agentree.engines.base import Completion, EngineStats, LoraAdapter, SamplingParams
+from agentree.engines.base import (
+    Completion,
+    EngineStats,
+    LoraAdapter,
+    SamplingParams,
+    TokenSink,
+    report_tokens,
+)
 
 EXACT_ENTROPY_VOCAB = 4096
 """Vocabularies up to this size get exact entropies (full-vocabulary log-probs) by default."""
@@ -149,7 +156,10 @@ class VLLMEngine:
         return self.stats.tokens_cached / total if total else 0.0
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -178,6 +188,7 @@ class VLLMEngine:
             if i % params.n == 0:
                 results.append([])
             results[-1].append(self._completion(prompt, out, params))
+        report_tokens(results, on_token)  # the offline engine returns whole batches
         return results
 
     def open_session(
