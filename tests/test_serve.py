@@ -256,6 +256,10 @@ def test_errors_are_openai_errors(client, server) -> None:
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="tiny-policy", prompt="P _ G", max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):  # before a stream
+        client.completions.create(
+            model="tiny-policy", prompt="P _ G", max_tokens=10_000, stream=True
+        )
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny-policy", prompt="P _ G", presence_penalty=1.0)
     req = urllib.request.Request(
