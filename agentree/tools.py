@@ -218,9 +218,15 @@ class CallFormat:
         return ""
 
     _opener = ""
-    """The first character of a turn that is calls (after `_tags` and spaces)."""
+    """How calls begin: the first character of a turn that is calls (after `_tags` and
+    spaces) in the JSON and Python formats, the tag that opens each call in Hermes'."""
     _tags: tuple[str, ...] = ()
     """Markers the format allows around its calls, read as nothing."""
+
+    def _untagged(self, text: str) -> str:
+        for tag in self._tags:
+            text = text.replace(tag, "")
+        return text.strip()
 
     def settled(self, text: str) -> str:
         """The start of a reply's `content` that no continuation of `text` can change, for
@@ -228,10 +234,7 @@ class CallFormat:
         text) or calls with `content(text)` around them, and what is returned starts both. In
         the JSON and Python formats a turn is calls from its first character on, so nothing
         is settled until a first character that is neither the opener nor part of a tag."""
-        body = text
-        for tag in self._tags:
-            body = body.replace(tag, "")
-        body = body.lstrip()
+        body = self._untagged(text)
         if not body or body.startswith(self._opener) or held_back(body, self._tags) == len(body):
             return ""
         return text
@@ -305,6 +308,7 @@ class HermesFormat(CallFormat):
 
     name = "hermes"
     generic_prompt = "tools/hermes.txt"
+    _opener = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
@@ -331,8 +335,8 @@ class HermesFormat(CallFormat):
         """The text before the first `<tool_call>` (or the start of one), without its trailing
         spaces, which `content` strips when calls follow; nothing while the text starts with a
         space, which `content` strips too and plain content keeps."""
-        start = text.find("<tool_call>")
-        head = text[:start] if start >= 0 else text[: len(text) - held_back(text, ["<tool_call>"])]
+        start = text.find(self._opener)
+        head = text[:start] if start >= 0 else text[: len(text) - held_back(text, [self._opener])]
         return head.rstrip() if head == head.lstrip() else ""
 
 
@@ -444,8 +448,8 @@ class Llama3JsonFormat(CallFormat):
     _tags = ("<|python_tag|>",)
 
     def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
-        body = text.replace("<|python_tag|>", "").strip()
-        if not body.startswith("{"):
+        body = self._untagged(text)
+        if not body.startswith(self._opener):
             return []
         decoder, calls, i = json.JSONDecoder(), [], 0
         while i < len(body):
@@ -472,8 +476,8 @@ class PythonicFormat(CallFormat):
     _tags = ("<|python_start|>", "<|python_end|>")
 
     def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
-        body = text.replace("<|python_start|>", "").replace("<|python_end|>", "").strip()
-        if not body.startswith("["):
+        body = self._untagged(text)
+        if not body.startswith(self._opener):
             return []
         try:
             tree = ast.parse(body, mode="eval").body
