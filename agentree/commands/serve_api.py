@@ -304,13 +304,13 @@ class OpenAIServer:
         response `completions` or `chat` gives. The request is checked before the first chunk:
         an invalid one raises `APIError` here; an engine failure later ends the stream with an
         error chunk."""
-        if isinstance(req, ChatRequest):
+        chat = isinstance(req, ChatRequest)
+        if chat:
             prompts, params, respond, settled = self._chat_plan(req)
         else:
             prompts, params, respond = self._completion_plan(req)
             settled = None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chat = isinstance(req, ChatRequest)
         return self._stream(prompts, params, respond, chat, settled, include_usage)
 
     # -- request plans: the engine call and how its completions become the response -------------
@@ -506,37 +506,37 @@ class OpenAIServer:
 
     # -- response building -----------------------------------------------------------------------
     def _finish(self, c: Completion, params: SamplingParams) -> tuple[str, list[int], str, int]:
-        """(text, token ids kept, finish reason, tokens with log-probs) of one completion.
-
-        A final stop/EOS token is dropped from the text (it is counted in usage); a stop
-        string cuts the text before it (the engine stopped on the token that completed it).
-        """
+        """(text, token ids kept, finish reason, tokens with log-probs) of one completion
+        (`_text`: without its stop token, cut before a stop string)."""
         ids = list(c.token_ids)
-        finish = c.finish_reason
-        stop_ids = set(params.stop_token_ids) | set(self.engine.eos_token_ids)
-        body = ids[:-1] if finish == "stop" and ids and ids[-1] in stop_ids else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
-        cut = [text.find(s) for s in params.stop if s in text]
-        if cut:
-            pos = min(cut)
+        body, text, pos = self._text(ids, params)
+        if pos is not None:
             k = next(
                 (k for k in range(1, len(body) + 1) if len(self._decode(body[:k])) > pos),
                 len(body),
             )
             return text[:pos], ids[:k], "stop", k
-        return text, ids, finish, len(ids)
+        return text, ids, c.finish_reason, len(ids)
 
     def _streamable(self, ids: list[int], params: SamplingParams) -> str:
-        """The text of the tokens so far that `_finish` keeps whatever comes next: up to a
-        stop string, without an end that may be the start of one or an unfinished character
-        (decoded as U+FFFD until its last byte comes), and without a final stop token."""
+        """The text of the tokens so far that `_finish` keeps whatever comes next: its text,
+        without an end that may be the start of a stop string or an unfinished character
+        (decoded as U+FFFD until its last byte comes)."""
+        _body, text, pos = self._text(ids, params)
+        if pos is not None:
+            return text[:pos]
+        text = text.rstrip("\ufffd")
+        return text[: len(text) - held_back(text, params.stop)]
+
+    def _text(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str, int | None]:
+        """(the tokens that are text, their text, where the first stop string starts in it):
+        a final stop/EOS token is not text (it ended the completion and counts in usage); the
+        engine stops on the token that completes a stop string, and the text ends before it."""
         stop_ids = set(params.stop_token_ids) | set(self.engine.eos_token_ids)
         body = ids[:-1] if ids and ids[-1] in stop_ids else ids
-        text = self._decode(body).rstrip("\ufffd")
+        text = self._decode(body)
         cut = [text.find(s) for s in params.stop if s in text]
-        if cut:
-            return text[: min(cut)]
-        return text[: len(text) - held_back(text, params.stop)]
+        return body, text, min(cut) if cut else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -332,11 +332,12 @@ class HFEngine:
                 mult.append(0)
             mult[u] += params.n
         keys = [list(k) for k in unique]
-        # where each unique prompt's samples land in the output, for `on_token`: its
+        # for `on_token`: where each unique prompt's samples land in the output, its
         # occurrences in prompt order, `params.n` samples each
         places: list[list[int]] = [[] for _ in keys]
-        for i, p in enumerate(prompts):
-            places[unique[tuple(p)]] += range(i * params.n, (i + 1) * params.n)
+        if on_token is not None:
+            for i, p in enumerate(prompts):
+                places[unique[tuple(p)]] += range(i * params.n, (i + 1) * params.n)
         results: list[list[Completion]] = []
         was_training = self.model.training
         self.model.eval()
@@ -351,8 +352,8 @@ class HFEngine:
                     stop += 1
                 sink = None
                 if on_token is not None:
-                    rows = [i for u in range(start, stop) for i in places[u]]
-                    sink = _relabel(on_token, rows)
+                    index = [i for u in range(start, stop) for i in places[u]]
+                    sink = _relabel(on_token, index)
                 results += self._generate_unique(keys[start:stop], mult[start:stop], params, sink)
                 start = stop
         finally:
