@@ -97,6 +97,32 @@ def test_on_token_hears_every_token_of_every_completion_as_it_is_sampled(hf_engi
     assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in again]
 
 
+def test_a_completion_whose_listener_has_gone_ends_at_that_token(hf_engine):
+    """`on_token` returning true ends that completion there (finish reason `abort`), in the
+    middle of a batch, with the token it heard kept; the other completions, greedy, are what
+    they are without it, repeated prompt included."""
+    _, ps = prompts(hf_engine, 2)
+    order = [ps[0], ps[1], ps[0]]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    plain = [o[0] for o in hf_engine.generate(order, params)]
+    assert len(plain[1].token_ids) > 3  # long enough to be cut
+
+    def on_token(i: int, _t: int) -> bool:
+        heard[i] += 1
+        return i == 1 and heard[i] == 3
+
+    heard = [0, 0, 0]
+    cut = [o[0] for o in hf_engine.generate(order, params, on_token)]
+    assert cut[1].token_ids == plain[1].token_ids[:3] and cut[1].finish_reason == "abort"
+    assert len(cut[1].logprobs) == 3
+    for i in (0, 2):
+        assert (cut[i].token_ids, cut[i].finish_reason) == (
+            plain[i].token_ids,
+            plain[i].finish_reason,
+        )
+    assert heard == [len(c.token_ids) for c in cut]
+
+
 def test_greedy_is_deterministic_and_topk_restricts(hf_engine):
     _, ps = prompts(hf_engine, 1)
     g = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=())

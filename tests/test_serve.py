@@ -212,20 +212,23 @@ class GatedEngine:
     def __init__(self, engine, after: int) -> None:
         self.engine, self.after = engine, after
         self.heard, self.done, self.release = 0, False, threading.Event()
+        self.out: list = []
+        """What the engine returned."""
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
     def generate(self, prompts, params, on_token=None):
-        def heard(i: int, t: int) -> None:
+        def heard(i: int, t: int) -> bool | None:
             self.heard += 1
-            on_token(i, t)
+            gone = on_token(i, t)
             if self.heard == self.after:
                 self.release.wait(30)
+            return gone
 
-        out = self.engine.generate(prompts, params, heard if on_token else None)
+        self.out = self.engine.generate(prompts, params, heard if on_token else None)
         self.done = True
-        return out
+        return self.out
 
 
 def test_a_stream_sends_each_token_while_the_rest_is_decoded(server) -> None:
@@ -249,6 +252,87 @@ def test_a_stream_sends_each_token_while_the_rest_is_decoded(server) -> None:
         whole = client.completions.create(**text)
         assert "".join(first + rest) == whole.choices[0].text and all(first)
         client.close()
+
+
+def wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_stops_its_completion(server, stream: bool) -> None:
+    """A client that closes its connection mid-completion, streamed or not, stops it at the
+    engine's next token (finish reason `abort`) instead of it decoding on to `max_tokens`; the
+    server goes on answering."""
+    from agentree.commands.serve import OpenAIServer, ServerHandle
+
+    body = {"prompt": "P _ G", "max_tokens": 64, "temperature": 0}
+    prompt = server.api.tokenizer.encode(body["prompt"])
+    assert len(engine_greedy(server, prompt, 64)) > 8  # a completion worth stopping
+    gated = GatedEngine(server.api.engine, after=3)
+    api = OpenAIServer(gated, server.api.tokenizer, "gated")
+    with ServerHandle(api, "127.0.0.1", 0).start() as handle:
+        raw = json.dumps({**body, "stream": stream}).encode()
+        conn = socket.create_connection((handle.host, handle.port), timeout=30)
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(raw)}"
+        conn.sendall(head.encode() + b"\r\n\r\n" + raw)
+        wait_for(lambda: gated.heard == 3)  # the engine holds after its third token
+        if stream:  # the client has what was sent so far
+            seen = b""
+            while seen.count(b"data: ") < 3:
+                seen += conn.recv(4096)
+        conn.close()
+        wait_for(lambda: api.batcher.abandoned == 1)
+        gated.release.set()
+        wait_for(lambda: gated.done)
+        (cut,) = gated.out[0]
+        assert cut.finish_reason == "abort" and len(cut.token_ids) == 4
+        gated.after = 0
+        client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        full = client.completions.create(model="gated", **body)
+        assert full.usage.completion_tokens > 8 and api.batcher.abandoned == 1
+        client.close()
+
+
+def test_a_request_abandoned_while_queued_never_reaches_the_engine(server) -> None:
+    """`Batcher.abandon`: a queued request is dropped, and one abandoned in a merged call ends
+    at its next token while the other of that call runs to its end."""
+    engine = server.api.engine
+    gates, entered = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    calls: list[int] = []
+
+    class Gated:  # the real engine, each call held at the door
+        max_model_len = engine.max_model_len
+
+        def generate(self, prompts, params, on_token=None):
+            k = len(calls)
+            calls.append(len(prompts))
+            entered[k].set()
+            gates[k].wait(30)
+            return engine.generate(prompts, params, on_token)
+
+    batcher = Batcher(Gated())  # type: ignore[arg-type]
+    tok = server.api.tokenizer
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = [tok.encode(f"_ {i} P") for i in range(3)]
+    first = batcher.submit([prompts[0]], params)
+    assert entered[0].wait(30)
+    queued = batcher.submit([prompts[1]], params)
+    merged = [batcher.submit([prompts[2]], params), batcher.submit([prompts[0]], params)]
+    wait_for(lambda: batcher._queue.qsize() == 3)
+    batcher.abandon(queued)
+    gates[0].set()
+    assert first.result()[0][0].finish_reason != "abort"
+    assert entered[1].wait(30) and all(f.running() for f in merged)
+    batcher.abandon(merged[0])  # its call has started, its first token not yet sampled
+    gates[1].set()
+    stopped, whole = merged[0].result()[0][0], merged[1].result()[0][0]
+    batcher.close()
+    assert queued.cancelled() and calls == [1, 2] and batcher.abandoned == 2
+    assert stopped.finish_reason == "abort" and len(stopped.token_ids) == 1
+    assert whole.token_ids == engine_greedy(server, prompts[0], 16)
 
 
 def test_errors_are_openai_errors(client, server) -> None:

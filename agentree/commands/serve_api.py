@@ -171,10 +171,14 @@ class Batcher:
         self.engine = engine
         self.max_batch = max_batch
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._gone: set[Future] = set()  # running requests abandoned, until their call ends
+        self._lock = threading.RLock()  # a request is answered, or abandoned, not both
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
         self.calls = 0
         """Engine calls made (fewer than requests when requests were merged)."""
+        self.abandoned = 0
+        """Requests given up by their clients before they were answered (`abandon`)."""
 
     def submit(
         self,
@@ -188,6 +192,17 @@ class Batcher:
         fut: Future = Future()
         self._queue.put(_Job(prompts, params, fut, on_token))
         return fut
+
+    def abandon(self, future: Future) -> None:
+        """Nobody waits for the request of `future` any more (its client hung up): a queued
+        request never reaches the engine, and a running one ends at its next token on an
+        engine that samples step by step (`TokenSink`) while the rest of its call goes on."""
+        with self._lock:
+            if future.done() and not future.cancelled():
+                return  # answered
+            self.abandoned += 1
+            if not future.cancel():  # running: the engine hears it through the token hook
+                self._gone.add(future)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.submit(prompts, params).result()
@@ -209,6 +224,8 @@ class Batcher:
                 jobs.append(nxt)
             groups: dict[Any, list[_Job]] = {}
             for j in jobs:
+                if not j.future.set_running_or_notify_cancel():
+                    continue  # abandoned while queued
                 key = j.params if j.params.seed is None else id(j)
                 groups.setdefault(key, []).append(j)
             for group in groups.values():
@@ -219,27 +236,30 @@ class Batcher:
     def _call(self, group: list[_Job]) -> None:
         prompts = [p for j in group for p in j.prompts]
         n = group[0].params.n
-        # completion index of the merged call -> (its job's sink, its index in that job)
-        owners = [(j.on_token, i) for j in group for i in range(len(j.prompts) * n)]
+        # completion index of the merged call -> (its job, its index in that job)
+        owners = [(j, i) for j in group for i in range(len(j.prompts) * n)]
 
-        def heard(index: int, token: int) -> None:
-            sink, i = owners[index]
-            if sink is not None:
-                sink(i, token)
+        def heard(index: int, token: int) -> bool:
+            job, i = owners[index]
+            if job.on_token is not None:
+                job.on_token(i, token)
+            return job.future in self._gone
 
-        streamed = any(j.on_token is not None for j in group)
+        answer: list[list[Completion]] | Exception
         try:
             self.calls += 1
-            hook = {"on_token": heard} if streamed else {}  # only streams need the hook
-            outs = self.engine.generate(prompts, group[0].params, **hook)
+            answer = self.engine.generate(prompts, group[0].params, on_token=heard)
         except Exception as e:
+            answer = e
+        with self._lock:
+            self._gone.difference_update(j.future for j in group)
+            k = 0
             for j in group:
-                j.future.set_exception(e)
-            return
-        k = 0
-        for j in group:
-            j.future.set_result(outs[k : k + len(j.prompts)])
-            k += len(j.prompts)
+                if isinstance(answer, Exception):
+                    j.future.set_exception(answer)
+                else:
+                    j.future.set_result(answer[k : k + len(j.prompts)])
+                    k += len(j.prompts)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -288,11 +308,22 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         prompts, params, respond = self._completion_plan(req)
-        return respond(await asyncio.wrap_future(self.batcher.submit(prompts, params)))
+        return respond(await self._generate(prompts, params))
 
     async def chat(self, req: ChatRequest) -> dict[str, Any]:
         prompts, params, respond, _settled = self._chat_plan(req)
-        return respond(await asyncio.wrap_future(self.batcher.submit(prompts, params)))
+        return respond(await self._generate(prompts, params))
+
+    async def _generate(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """The request's completions; cancelled (its client hung up), the request is
+        abandoned and stops taking the engine's time (`Batcher.abandon`)."""
+        future = self.batcher.submit(prompts, params)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self.batcher.abandon(future)  # a no-op once answered
 
     def stream(self, req: CompletionRequest | ChatRequest) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a `stream: true` request, as OpenAI sends them: for chat the
@@ -303,7 +334,8 @@ class OpenAIServer:
         tool calls, its finish reason), and the usage if asked. The deltas join to the
         response `completions` or `chat` gives. The request is checked before the first chunk:
         an invalid one raises `APIError` here; an engine failure later ends the stream with an
-        error chunk."""
+        error chunk. Closing the iterator before its end (the client hung up) abandons the
+        request (`Batcher.abandon`)."""
         chat = isinstance(req, ChatRequest)
         if chat:
             prompts, params, respond, settled = self._chat_plan(req)
@@ -409,37 +441,40 @@ class OpenAIServer:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(heard.put_nowait, item)
 
-        future = self.batcher.submit(prompts, params, lambda i, t: tell((i, t)))
-        # the end comes after every token: the engine's thread queues them in order
-        future.add_done_callback(lambda _f: tell(None))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = _chunk_head(ident, chat, int(time.time()), self.model_name)
         usage = {"usage": None} if include_usage else {}
         count = len(prompts) * params.n
         ids: list[list[int]] = [[] for _ in range(count)]
         sent = [""] * count
-        if chat:
-            for i in range(count):
-                yield _chunk(head, usage, i, delta={"role": "assistant", "content": ""})
-        while (item := await heard.get()) is not None:
-            i, token = item
-            ids[i].append(token)
-            text = self._streamable(ids[i], params)
-            if settled is not None:
-                text = settled(text)
-            if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                new, sent[i] = text[len(sent[i]) :], text
-                part = {"delta": {"content": new}} if chat else {"text": new}
-                yield _chunk(head, usage, i, **part)
-        try:
-            response = respond(future.result())
-        except Exception as e:
-            log.error("streamed request failed", exc_info=e)
-            yield APIError(500, f"{type(e).__name__}: {e}", "server_error").body()
-            return
-        response.update(id=head["id"], created=head["created"])
-        for c in stream_chunks(response, sent, include_usage):
-            yield c
+        future = self.batcher.submit(prompts, params, lambda i, t: tell((i, t)))
+        # the end comes after every token: the engine's thread queues them in order
+        future.add_done_callback(lambda _f: tell(None))
+        try:  # until the last chunk, or until the client hangs up and the chunks are closed
+            if chat:
+                for i in range(count):
+                    yield _chunk(head, usage, i, delta={"role": "assistant", "content": ""})
+            while (item := await heard.get()) is not None:
+                i, token = item
+                ids[i].append(token)
+                text = self._streamable(ids[i], params)
+                if settled is not None:
+                    text = settled(text)
+                if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                    new, sent[i] = text[len(sent[i]) :], text
+                    part = {"delta": {"content": new}} if chat else {"text": new}
+                    yield _chunk(head, usage, i, **part)
+            try:
+                response = respond(future.result())
+            except Exception as e:
+                log.error("streamed request failed", exc_info=e)
+                yield APIError(500, f"{type(e).__name__}: {e}", "server_error").body()
+                return
+            response.update(id=head["id"], created=head["created"])
+            for c in stream_chunks(response, sent, include_usage):
+                yield c
+        finally:
+            self.batcher.abandon(future)  # a no-op once answered
 
     @property
     def chat_format(self) -> ChatFormat:

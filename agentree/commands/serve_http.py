@@ -1,16 +1,19 @@
 """The HTTP transport of `agentree serve`: FastAPI routes over `OpenAIServer`, request bodies
 parsed into its pydantic models, OpenAI-style errors for every failure, and a body-size limit
-checked before a body is read. `agentree.commands.serve.ServerHandle` runs it on uvicorn."""
+checked before a body is read, and a request whose client hangs up before its answer stops
+there. `agentree.commands.serve.ServerHandle` runs it on uvicorn."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -55,11 +58,15 @@ def build_app(api: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     # under a JSON Content-Type: `curl -d` (form-encoded by default) must work as it always did.
     async def completions(request: Request) -> Any:
         req = _parse(CompletionRequest, await request.body())
-        return _events(api.stream(req)) if req.stream else await api.completions(req)
+        if req.stream:
+            return _Events(api.stream(req))
+        return await _unless_hung_up(request, api.completions(req))
 
     async def chat(request: Request) -> Any:
         req = _parse(ChatRequest, await request.body())
-        return _events(api.stream(req)) if req.stream else await api.chat(req)
+        if req.stream:
+            return _Events(api.stream(req))
+        return await _unless_hung_up(request, api.chat(req))
 
     for prefix in ("/v1", ""):
         for path, endpoint, method in (
@@ -77,16 +84,50 @@ async def _health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _events(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+class _Events(StreamingResponse):
     """A stream's chunks as server-sent events, then `[DONE]` (`OpenAIServer.stream`; the
-    request was checked before this, so an invalid one is still answered with its status)."""
+    request was checked before this, so an invalid one is still answered with its status).
+    However the response ends (Starlette stops it when the client hangs up), the chunks are
+    closed, which abandons a request not yet done."""
 
-    async def lines() -> AsyncIterator[str]:
-        async for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n"
-        yield "data: [DONE]\n\n"
+    def __init__(self, chunks: AsyncIterator[dict[str, Any]]) -> None:
+        async def lines() -> AsyncIterator[str]:
+            async with contextlib.aclosing(chunks):
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
 
-    return StreamingResponse(lines(), media_type="text/event-stream")
+        self._lines = lines()
+        super().__init__(self._lines, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._lines.aclose()
+
+
+async def _unless_hung_up(request: Request, answer: Awaitable[dict[str, Any]]) -> Any:
+    """`answer`'s response; if the client hangs up first, `answer` is cancelled, which abandons
+    its request (`OpenAIServer._generate`), and the reply goes nowhere."""
+    work = asyncio.ensure_future(answer)
+    hung_up = asyncio.ensure_future(_hang_up(request.receive))
+    try:
+        await asyncio.wait((work, hung_up), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung_up.cancel()
+        work.cancel()  # a no-op once it is done
+        await asyncio.wait((work,))
+    if work.cancelled():
+        log.info("client hung up before %s was answered", request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return work.result()
+
+
+async def _hang_up(receive: Any) -> None:
+    """Returns when the client has closed the connection (its body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _parse(model: type[RequestT], raw: bytes) -> RequestT:

@@ -41,7 +41,8 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
+    """`abort`: ended early because its `on_token` listener asked (`TokenSink`)."""
     top_logprobs: list[dict[int, float]] | None = None
     entropies: list[float] | None = None
 
@@ -96,8 +97,11 @@ class DecodeSession(Protocol):
     def close(self) -> None: ...
 
 
-TokenSink = Callable[[int, int], None]
-"""`on_token(completion index, token id)`, what `Engine.generate` tells of each token sampled."""
+TokenSink = Callable[[int, int], bool | None]
+"""`on_token(completion index, token id)`, what `Engine.generate` tells of each token sampled.
+A true return says nobody wants the rest of that completion (a client that hung up): an engine
+that samples step by step ends it there, with finish reason `abort`; one that reports whole
+batches at the end has nothing left to save."""
 
 
 def report_tokens(results: list[list[Completion]], on_token: TokenSink | None) -> None:
@@ -132,8 +136,9 @@ class Engine(Protocol):
     ) -> list[list[Completion]]:
         """One list of `params.n` completions per prompt. `on_token(i, token_id)` hears each
         token as it is sampled, `i` counting completions prompt by prompt (`i // params.n` is
-        the prompt): the transformers engine calls it every decoding step, engines that
-        finish whole batches elsewhere once per token at the end (`report_tokens`)."""
+        the prompt): the transformers engine calls it every decoding step, and ends a
+        completion whose `on_token` returns true; engines that finish whole batches elsewhere
+        call it once per token at the end (`report_tokens`)."""
         ...
 
     def open_session(

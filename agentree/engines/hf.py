@@ -401,8 +401,6 @@ class HFEngine:
             for r, slot in enumerate(live):
                 t = int(token[r])
                 toks[slot].append(t)
-                if on_token is not None:
-                    on_token(slot, t)
                 lps[slot].append(float(logprob[r]))
                 if entropy is not None:
                     ents[slot].append(float(entropy[r]))
@@ -411,6 +409,8 @@ class HFEngine:
                 ended = t in stop or stop_text.hit(toks[slot])
                 if ended:
                     finish[slot] = "stop"
+                if on_token is not None and on_token(slot, t) and not ended:
+                    finish[slot], ended = "abort", True  # its listener has gone
                 if ended or step == max_new - 1:
                     batch.store(r)
                 else:
@@ -461,7 +461,7 @@ class HFEngine:
 
 
 def _relabel(on_token: TokenSink, index: list[int]) -> TokenSink:
-    """`on_token` hearing row `r` as completion `index[r]`."""
+    """`on_token` hearing row `r` as completion `index[r]` (and answering for it)."""
     return lambda r, t: on_token(index[r], t)
 
 
