@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from agentree.chat import ChatFormat
-from agentree.engines.base import SamplingParams
+from agentree.engines.base import SampledToken, SamplingParams
 from agentree.engines.hf import _Batch
 from agentree.envs import make_env
 
@@ -71,14 +71,17 @@ def test_identical_prompts_prefilled_once_but_sampled_independently(hf_engine):
 
 
 def test_on_token_hears_every_token_of_every_completion_as_it_is_sampled(hf_engine, monkeypatch):
-    """`on_token(i, t)` gets each completion's tokens in order, `i` counting completions prompt
-    by prompt, with repeated prompts (prefilled once) and calls split into several batches;
-    each token is heard before the next decoding step (the step's forward is counted)."""
+    """`on_token(i, t)` gets each completion's tokens in order (id, log-prob, alternatives: what
+    the completion holds), `i` counting completions prompt by prompt, with repeated prompts
+    (prefilled once) and calls split into several batches; each token is heard before the next
+    decoding step (the step's forward is counted)."""
     chat, ps = prompts(hf_engine, 2)
     order = [ps[0], ps[1], ps[0], ps[0]]  # a repeated prompt, not adjacent
-    params = SamplingParams(max_tokens=6, stop_token_ids=chat.stop_token_ids, n=2, seed=1)
+    params = SamplingParams(
+        max_tokens=6, stop_token_ids=chat.stop_token_ids, n=2, seed=1, logprobs=2
+    )
     monkeypatch.setattr(hf_engine, "max_batch_size", 3)  # three batches
-    heard: dict[int, list[int]] = {}
+    heard: dict[int, list[SampledToken]] = {}
     forwards: list[int] = []
     at: list[int] = []  # the forwards done when each token was heard
     monkeypatch.setattr(
@@ -86,12 +89,16 @@ def test_on_token_hears_every_token_of_every_completion_as_it_is_sampled(hf_engi
         lambda self, *a: forwards.append(1) or _forward(self, *a),
     )
 
-    def on_token(i: int, t: int) -> None:
+    def on_token(i: int, t: SampledToken) -> None:
         heard.setdefault(i, []).append(t)
         at.append(len(forwards))
 
     outs = hf_engine.generate(order, params, on_token)
-    assert heard == {i: c.token_ids for i, c in enumerate(c for comps in outs for c in comps)}
+    told = {
+        i: [SampledToken(*x) for x in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True)]
+        for i, c in enumerate(c for comps in outs for c in comps)
+    }
+    assert heard == told
     assert len(set(at)) >= 6  # heard between the decoding steps, not after the last
     again = hf_engine.generate(order, params)  # without the hook, the same draws
     assert [[c.token_ids for c in o] for o in outs] == [[c.token_ids for c in o] for o in again]
@@ -107,7 +114,7 @@ def test_a_completion_whose_listener_has_gone_ends_at_that_token(hf_engine):
     plain = [o[0] for o in hf_engine.generate(order, params)]
     assert len(plain[1].token_ids) > 3  # long enough to be cut
 
-    def on_token(i: int, _t: int) -> bool:
+    def on_token(i: int, _t: SampledToken) -> bool:
         heard[i] += 1
         return i == 1 and heard[i] == 3
 

@@ -151,10 +151,18 @@ def test_seeded_sampling_repeats(client) -> None:
     assert draw() == draw()
 
 
+def joined_logprobs(choices) -> openai.types.completion_choice.Logprobs:
+    """The log-probs of a streamed completion's chunks, joined list by list."""
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    lists = {f: [x for c in choices if c.logprobs for x in getattr(c.logprobs, f)] for f in fields}
+    return openai.types.completion_choice.Logprobs(**lists)
+
+
 def test_a_streamed_answer_joins_to_the_unstreamed_one(client, server) -> None:
     """`stream: true` answers server-sent events that the `openai` client reads: the deltas
     of each choice join to the same text, finish reason and log-probs as the unstreamed
-    answer to the same request, and `include_usage` ends with the usage."""
+    answer to the same request, each text delta carrying the log-probs of the tokens it
+    completes, and `include_usage` ends with the usage."""
     chat = {
         "model": "tiny-policy",
         "messages": [{"role": "user", "content": "P _ G"}],
@@ -177,6 +185,9 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(client, server) -> None:
         assert [m.finish_reason for m in mine if m.finish_reason] == [c.finish_reason]
         streamed = [t for m in mine if m.logprobs for t in m.logprobs.content]
         assert streamed == c.logprobs.content
+        for m in mine:
+            if m.delta.content:
+                assert "".join(t.token for t in m.logprobs.content) == m.delta.content
     assert all(p.usage is None for p in chunks)
 
     text = {"model": "tiny-policy", "prompt": "P _ G", "max_tokens": 8, "temperature": 0}
@@ -185,17 +196,19 @@ def test_a_streamed_answer_joins_to_the_unstreamed_one(client, server) -> None:
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert len([c for c in chunks if c.choices[0].text]) == 8  # a chunk per token
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    # the log-probs come whole with the completion's last text
-    assert [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs] == [
-        whole.choices[0].logprobs
-    ]
+    for c in chunks:  # each token's log-probs come with its text
+        if c.choices[0].text:
+            assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+    assert joined_logprobs([c.choices[0] for c in chunks]) == whole.choices[0].logprobs
     # a stop string that shows, and one whose start shows again and again but never ends:
     # its possible start is held back and sent when it is not the stop string after all
     for stop in (["G G G"], ["G G G X"]):
-        whole = client.completions.create(**text, stop=stop).choices[0]
-        chunks = [c.choices[0] for c in client.completions.create(**text, stop=stop, stream=True)]
+        whole = client.completions.create(**text, stop=stop, logprobs=1).choices[0]
+        stream = client.completions.create(**text, stop=stop, logprobs=1, stream=True)
+        chunks = [c.choices[0] for c in stream]
         assert "".join(c.text for c in chunks) == whole.text
         assert chunks[-1].finish_reason == whole.finish_reason
+        assert joined_logprobs(chunks) == whole.logprobs
     assert whole.text == " G G G G G G G G" and len([c for c in chunks if c.text]) < 8
     raw = json.dumps({**text, "stream": True}).encode()
     # the raw events, as a client without a library reads them
@@ -444,7 +457,7 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     for i, p in enumerate(prompts):
         assert results[i][0][0].token_ids == engine_greedy(server, p, 4)
     for i, tokens in heard.items():
-        assert tokens == [(0, t) for t in results[i][0][0].token_ids]
+        assert [(j, t.id) for j, t in tokens] == [(0, t) for t in results[i][0][0].token_ids]
 
 
 def test_add_serve_command_registers_the_subcommand() -> None:

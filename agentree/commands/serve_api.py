@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentree.chat import ChatFormat
-from agentree.engines.base import Completion, Engine, SamplingParams, TokenSink
+from agentree.engines.base import Completion, Engine, SampledToken, SamplingParams, TokenSink
 from agentree.tool_messages import (
     ToolRequestError,
     completion_message,
@@ -33,6 +33,9 @@ log = logging.getLogger("agentree.commands.serve")
 
 Respond = Callable[[list[list[Completion]]], dict[str, Any]]
 """How a request's completions become its response."""
+
+LogProbs = Callable[[Completion, int, int], Any]
+"""The log-probs of tokens `[a, b)` of a completion, in the form its choice carries them."""
 
 MAX_BODY_BYTES = 8 << 20
 """Largest request body accepted (8 MiB holds a 100k-token prompt sent as token ids)."""
@@ -154,6 +157,20 @@ class ChatRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: _TopLogprobs | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+@dataclass
+class _Plan:
+    """A request's engine call and how its completions become the response."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    respond: Respond
+    chat: bool
+    settled: Callable[[str], str] | None = None
+    """With tools, how much of a reply's text is settled content (`CallFormat.settled`)."""
+    logprobs: LogProbs | None = None
+    """When the request asks for log-probs."""
 
 
 @dataclass
@@ -307,12 +324,12 @@ class OpenAIServer:
         }
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
-        prompts, params, respond = self._completion_plan(req)
-        return respond(await self._generate(prompts, params))
+        plan = self._completion_plan(req)
+        return plan.respond(await self._generate(plan.prompts, plan.params))
 
     async def chat(self, req: ChatRequest) -> dict[str, Any]:
-        prompts, params, respond, _settled = self._chat_plan(req)
-        return respond(await self._generate(prompts, params))
+        plan = self._chat_plan(req)
+        return plan.respond(await self._generate(plan.prompts, plan.params))
 
     async def _generate(
         self, prompts: list[list[int]], params: SamplingParams
@@ -329,31 +346,25 @@ class OpenAIServer:
         """The chunks of a `stream: true` request, as OpenAI sends them: for chat the
         assistant role of every choice first, then each choice's text as it is generated (what
         no later token can change: a stop string or a tool call that may be starting, and an
-        unfinished character, wait for the next token), and when the completion is done the
-        rest of each choice (`stream_chunks`: the remaining text, the choice's log-probs, its
-        tool calls, its finish reason), and the usage if asked. The deltas join to the
-        response `completions` or `chat` gives. The request is checked before the first chunk:
-        an invalid one raises `APIError` here; an engine failure later ends the stream with an
-        error chunk. Closing the iterator before its end (the client hung up) abandons the
-        request (`Batcher.abandon`)."""
-        chat = isinstance(req, ChatRequest)
-        if chat:
-            prompts, params, respond, settled = self._chat_plan(req)
-        else:
-            prompts, params, respond = self._completion_plan(req)
-            settled = None
+        unfinished character, wait for the next token) with the log-probs of the tokens that
+        text completes, and when the completion is done the rest of each choice
+        (`stream_chunks`: the remaining text and log-probs, its tool calls, its finish reason),
+        and the usage if asked. The deltas join to the response `completions` or `chat` gives.
+        The request is checked before the first chunk: an invalid one raises `APIError` here;
+        an engine failure later ends the stream with an error chunk. Closing the iterator
+        before its end (the client hung up) abandons the request (`Batcher.abandon`)."""
+        plan = self._chat_plan(req) if isinstance(req, ChatRequest) else self._completion_plan(req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self._stream(prompts, params, respond, chat, settled, include_usage)
+        return self._stream(plan, include_usage)
 
     # -- request plans: the engine call and how its completions become the response -------------
-    def _completion_plan(
-        self, req: CompletionRequest
-    ) -> tuple[list[list[int]], SamplingParams, Respond]:
+    def _completion_plan(self, req: CompletionRequest) -> _Plan:
         self._check_common(req)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = self._prompt_ids(req.prompt)
         params = self._sampling(req, prompts, req.max_tokens or 16, top=req.logprobs or 0)
+        logprobs = self._completion_logprobs if req.logprobs is not None else None
 
         def respond(outs: list[list[Completion]]) -> dict[str, Any]:
             choices = []
@@ -363,27 +374,16 @@ class OpenAIServer:
                     choice: dict[str, Any] = {
                         "index": len(choices),
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": logprobs(c, 0, k) if logprobs else None,
                         "finish_reason": finish,
+                        "_tokens": len(ids),
                     }
-                    if req.logprobs is not None:
-                        choice["logprobs"] = self._completion_logprobs(c, k)
-                    choice["_tokens"] = len(ids)
                     choices.append(choice)
             return self._response("text_completion", "cmpl", choices, prompts)
 
-        return prompts, params, respond
+        return _Plan(prompts, params, respond, chat=False, logprobs=logprobs)
 
-    def _chat_plan(
-        self, req: ChatRequest
-    ) -> tuple[
-        list[list[int]],
-        SamplingParams,
-        Respond,
-        Callable[[str], str] | None,
-    ]:
-        """The chat request's prompt, sampling, response builder, and (with tools) the rule
-        for how much of a text is settled content (`CallFormat.settled`)."""
+    def _chat_plan(self, req: ChatRequest) -> _Plan:
         self._check_common(req)
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -406,6 +406,7 @@ class OpenAIServer:
         params = self._sampling(
             req, prompts, max_tokens or max(1, min(self.default_max_tokens, room)), top
         )
+        logprobs = self._chat_logprobs if req.logprobs else None
 
         def respond(outs: list[list[Completion]]) -> dict[str, Any]:
             choices = []
@@ -415,39 +416,35 @@ class OpenAIServer:
                 choice: dict[str, Any] = {
                     "index": len(choices),
                     "message": message,
-                    "logprobs": {"content": self._chat_logprobs(c, k)} if req.logprobs else None,
+                    "logprobs": logprobs(c, 0, k) if logprobs else None,
                     "finish_reason": finish,
                     "_tokens": len(ids),
                 }
                 choices.append(choice)
             return self._response("chat.completion", "chatcmpl", choices, prompts)
 
-        return prompts, params, respond, self.chat_format.tool_format.settled if tools else None
+        settled = self.chat_format.tool_format.settled if tools else None
+        return _Plan(prompts, params, respond, chat=True, settled=settled, logprobs=logprobs)
 
-    async def _stream(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        respond: Respond,
-        chat: bool,
-        settled: Callable[[str], str] | None,
-        include_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, plan: _Plan, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         loop = asyncio.get_running_loop()
-        heard: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        heard: asyncio.Queue[tuple[int, SampledToken] | None] = asyncio.Queue()
 
-        def tell(item: tuple[int, int] | None) -> None:  # on the engine's thread
+        def tell(item: tuple[int, SampledToken] | None) -> None:  # on the engine's thread
             # a closed loop (the server stopping) has nobody listening
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(heard.put_nowait, item)
 
+        chat, params = plan.chat, plan.params
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = _chunk_head(ident, chat, int(time.time()), self.model_name)
         usage = {"usage": None} if include_usage else {}
-        count = len(prompts) * params.n
-        ids: list[list[int]] = [[] for _ in range(count)]
-        sent = [""] * count
-        future = self.batcher.submit(prompts, params, lambda i, t: tell((i, t)))
+        count = len(plan.prompts) * params.n
+        # each choice's tokens so far, its text sent, and how many tokens that text completes
+        tops = params.logprobs > 0
+        so_far = [Completion([], [], "length", [] if tops else None) for _ in range(count)]
+        sent, given = [""] * count, [0] * count
+        future = self.batcher.submit(plan.prompts, params, lambda i, t: tell((i, t)))
         # the end comes after every token: the engine's thread queues them in order
         future.add_done_callback(lambda _f: tell(None))
         try:  # until the last chunk, or until the client hangs up and the chunks are closed
@@ -456,23 +453,30 @@ class OpenAIServer:
                     yield _chunk(head, usage, i, delta={"role": "assistant", "content": ""})
             while (item := await heard.get()) is not None:
                 i, token = item
-                ids[i].append(token)
-                text = self._streamable(ids[i], params)
-                if settled is not None:
-                    text = settled(text)
+                c = so_far[i]
+                c.token_ids.append(token.id)
+                c.logprobs.append(token.logprob)
+                if c.top_logprobs is not None:
+                    c.top_logprobs.append(token.top or {})
+                text = self._streamable(c.token_ids, params)
+                if plan.settled is not None:
+                    text = plan.settled(text)
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
                     new, sent[i] = text[len(sent[i]) :], text
+                    done = self._completed(c.token_ids, given[i], len(text))
+                    lps = plan.logprobs(c, given[i], done) if plan.logprobs else None
+                    given[i] = done
                     part = {"delta": {"content": new}} if chat else {"text": new}
-                    yield _chunk(head, usage, i, **part)
+                    yield _chunk(head, usage, i, logprobs=lps, **part)
             try:
-                response = respond(future.result())
+                response = plan.respond(future.result())
             except Exception as e:
                 log.error("streamed request failed", exc_info=e)
                 yield APIError(500, f"{type(e).__name__}: {e}", "server_error").body()
                 return
             response.update(id=head["id"], created=head["created"])
-            for c in stream_chunks(response, sent, include_usage):
-                yield c
+            for chunk in stream_chunks(response, sent, given, include_usage):
+                yield chunk
         finally:
             self.batcher.abandon(future)  # a no-op once answered
 
@@ -563,6 +567,14 @@ class OpenAIServer:
         text = text.rstrip("\ufffd")
         return text[: len(text) - held_back(text, params.stop)]
 
+    def _completed(self, ids: list[int], start: int, chars: int) -> int:
+        """How many of `ids`' first tokens (at least `start`) decode within `chars`
+        characters: the tokens whose text a stream has sent."""
+        k = start
+        while k < len(ids) and len(self._decode(ids[: k + 1])) <= chars:
+            k += 1
+        return k
+
     def _text(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str, int | None]:
         """(the tokens that are text, their text, where the first stop string starts in it):
         a final stop/EOS token is not text (it ended the completion and counts in usage); the
@@ -576,26 +588,30 @@ class OpenAIServer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _completion_logprobs(self, c: Completion, k: int) -> dict[str, Any]:
-        tokens = [self._decode([t]) for t in c.token_ids[:k]]
-        offsets, pos = [], 0
-        for t in tokens:
+    def _completion_logprobs(self, c: Completion, a: int, b: int) -> dict[str, Any]:
+        """`/v1/completions` log-probs of tokens `[a, b)`, offsets counted from the text's
+        start."""
+        pos = sum(len(self._decode([t])) for t in c.token_ids[:a])
+        tokens, offsets = [], []
+        for t in c.token_ids[a:b]:
+            tokens.append(self._decode([t]))
             offsets.append(pos)
-            pos += len(t)
-        tops = c.top_logprobs or [{}] * k
+            pos += len(tokens[-1])
+        tops = c.top_logprobs or [{}] * len(c.token_ids)
         return {
             "tokens": tokens,
-            "token_logprobs": list(c.logprobs[:k]),
-            "top_logprobs": [{self._decode([i]): lp for i, lp in d.items()} for d in tops[:k]],
+            "token_logprobs": list(c.logprobs[a:b]),
+            "top_logprobs": [{self._decode([i]): lp for i, lp in d.items()} for d in tops[a:b]],
             "text_offset": offsets,
         }
 
-    def _chat_logprobs(self, c: Completion, k: int) -> list[dict[str, Any]]:
-        tops = c.top_logprobs or [{}] * k
-        out = []
-        for t, lp, top in zip(c.token_ids[:k], c.logprobs[:k], tops[:k], strict=True):
+    def _chat_logprobs(self, c: Completion, a: int, b: int) -> dict[str, Any]:
+        """Chat log-probs of tokens `[a, b)`."""
+        tops = c.top_logprobs or [{}] * len(c.token_ids)
+        content = []
+        for t, lp, top in zip(c.token_ids[a:b], c.logprobs[a:b], tops[a:b], strict=True):
             s = self._decode([t])
-            out.append(
+            content.append(
                 {
                     "token": s,
                     "logprob": lp,
@@ -610,7 +626,7 @@ class OpenAIServer:
                     ],
                 }
             )
-        return out
+        return {"content": content}
 
     def _response(
         self, obj: str, prefix: str, choices: list[dict[str, Any]], prompts: list[list[int]]
@@ -635,20 +651,26 @@ class OpenAIServer:
 
 
 def stream_chunks(
-    response: dict[str, Any], sent: Sequence[str], include_usage: bool = False
+    response: dict[str, Any],
+    sent: Sequence[str],
+    given: Sequence[int] | None = None,
+    include_usage: bool = False,
 ) -> list[dict[str, Any]]:
     """The chunks that end a stream once its `chat.completion` or `text_completion` response
     is done, `sent[i]` being the text of choice `i` already streamed (after its role, for
-    chat): per choice the rest of its text, then (chat) its tool calls, each with its `index`,
-    then the finish reason; the choice's log-probs ride on the first of these. With
+    chat) and `given[i]` how many of its tokens' log-probs went with it (none if omitted):
+    per choice the rest of its text, then (chat) its tool calls, each with its `index`, then
+    the finish reason; the rest of the choice's log-probs rides on the first of these. With
     `include_usage` every chunk carries `usage: null` and a last chunk with no choices carries
-    the usage. A client that joins the deltas gets the response back."""
+    the usage. A client that joins the deltas (and the log-probs' lists) gets the response
+    back."""
     chat = response["object"] == "chat.completion"
     head = _chunk_head(response["id"], chat, response["created"], response["model"])
     usage = {"usage": None} if include_usage else {}
     out = []
     for c in response["choices"]:
-        i, logprobs = c["index"], c["logprobs"]
+        i = c["index"]
+        logprobs = _logprobs_from(c["logprobs"], given[i] if given else 0)
         text = (c["message"].get("content") or "") if chat else c["text"]
         if not text.startswith(sent[i]):
             # the settling rules make this impossible; say so rather than join wrongly unseen
@@ -674,6 +696,14 @@ def stream_chunks(
     if include_usage:
         out.append({**head, "choices": [], "usage": response["usage"]})
     return out
+
+
+def _logprobs_from(logprobs: dict[str, Any] | None, start: int) -> dict[str, Any] | None:
+    """A choice's log-probs (chat's `content`, or the completions' four lists) from token
+    `start` on."""
+    if logprobs is None:
+        return None
+    return {key: entries[start:] for key, entries in logprobs.items()}
 
 
 def _chunk_head(ident: str, chat: bool, created: int, model: str) -> dict[str, Any]:

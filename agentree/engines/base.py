@@ -97,8 +97,19 @@ class DecodeSession(Protocol):
     def close(self) -> None: ...
 
 
-TokenSink = Callable[[int, int], bool | None]
-"""`on_token(completion index, token id)`, what `Engine.generate` tells of each token sampled.
+@dataclass(frozen=True)
+class SampledToken:
+    """One token as `Engine.generate` tells it to `on_token`: what its `Completion` will hold
+    at that position."""
+
+    id: int
+    logprob: float
+    top: dict[int, float] | None = None
+    """The top-`params.logprobs` alternatives, when asked for."""
+
+
+TokenSink = Callable[[int, SampledToken], bool | None]
+"""`on_token(completion index, token)`, what `Engine.generate` tells of each token sampled.
 A true return says nobody wants the rest of that completion (a client that hung up): an engine
 that samples step by step ends it there, with finish reason `abort`; one that reports whole
 batches at the end has nothing left to save."""
@@ -112,8 +123,9 @@ def report_tokens(results: list[list[Completion]], on_token: TokenSink | None) -
     i = 0
     for comps in results:
         for c in comps:
-            for t in c.token_ids:
-                on_token(i, t)
+            for k, t in enumerate(c.token_ids):
+                top = c.top_logprobs[k] if c.top_logprobs else None
+                on_token(i, SampledToken(t, c.logprobs[k], top))
             i += 1
 
 
@@ -134,11 +146,11 @@ class Engine(Protocol):
         params: SamplingParams,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
-        """One list of `params.n` completions per prompt. `on_token(i, token_id)` hears each
-        token as it is sampled, `i` counting completions prompt by prompt (`i // params.n` is
-        the prompt): the transformers engine calls it every decoding step, and ends a
-        completion whose `on_token` returns true; engines that finish whole batches elsewhere
-        call it once per token at the end (`report_tokens`)."""
+        """One list of `params.n` completions per prompt. `on_token(i, token)` hears each
+        token (`SampledToken`) as it is sampled, `i` counting completions prompt by prompt
+        (`i // params.n` is the prompt): the transformers engine calls it every decoding step,
+        and ends a completion whose `on_token` returns true; engines that finish whole batches
+        elsewhere call it once per token at the end (`report_tokens`)."""
         ...
 
     def open_session(

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentree.engines.base import Completion, EngineStats, SamplingParams, TokenSink
+from agentree.engines.base import (
+    Completion,
+    EngineStats,
+    SampledToken,
+    SamplingParams,
+    TokenSink,
+)
 from agentree.hub.load import load_policy
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -399,9 +405,9 @@ class HFEngine:
             token, logprob, entropy, top = sample_next(batch.logits, params, self.generator)
             keep: list[int] = []
             for r, slot in enumerate(live):
-                t = int(token[r])
+                t, lp = int(token[r]), float(logprob[r])
                 toks[slot].append(t)
-                lps[slot].append(float(logprob[r]))
+                lps[slot].append(lp)
                 if entropy is not None:
                     ents[slot].append(float(entropy[r]))
                 if top is not None:
@@ -409,8 +415,10 @@ class HFEngine:
                 ended = t in stop or stop_text.hit(toks[slot])
                 if ended:
                     finish[slot] = "stop"
-                if on_token is not None and on_token(slot, t) and not ended:
-                    finish[slot], ended = "abort", True  # its listener has gone
+                if on_token is not None:
+                    told = SampledToken(t, lp, top[r] if top is not None else None)
+                    if on_token(slot, told) and not ended:
+                        finish[slot], ended = "abort", True  # its listener has gone
                 if ended or step == max_new - 1:
                     batch.store(r)
                 else:
