@@ -417,8 +417,9 @@ class HFEngine:
                     finish[slot] = "stop"
                 if on_token is not None:
                     told = SampledToken(t, lp, top[r] if top is not None else None)
-                    if on_token(slot, told) and not ended:
-                        finish[slot], ended = "abort", True  # its listener has gone
+                    gone = on_token(slot, told)  # true: its listener has gone
+                    if gone and not ended and step < max_new - 1:
+                        finish[slot], ended = "abort", True
                 if ended or step == max_new - 1:
                     batch.store(r)
                 else:
