@@ -218,8 +218,11 @@ class Batcher:
             if future.done() and not future.cancelled():
                 return  # answered
             self.abandoned += 1
-            if not future.cancel():  # running: the engine hears it through the token hook
+            if future.cancel():
+                log.info("a client hung up: its request leaves the queue")
+            else:  # running: the engine hears it through the token hook
                 self._gone.add(future)
+                log.info("a client hung up: its request stops at its next token")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.submit(prompts, params).result()

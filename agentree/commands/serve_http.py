@@ -119,7 +119,6 @@ async def _unless_hung_up(request: Request, answer: Awaitable[dict[str, Any]]) -
         work.cancel()  # a no-op once it is done
         await asyncio.wait((work,))
     if work.cancelled():
-        log.info("client hung up before %s was answered", request.url.path)
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return work.result()
 
