@@ -25,7 +25,7 @@ pytest.importorskip(
 )
 
 from agentree.config import load_config
-from agentree.engines.base import SamplingParams
+from agentree.engines.base import SampledToken, SamplingParams
 from agentree.engines.hf import HFEngine
 from agentree.engines.vllm import VLLMEngine
 from agentree.run.trainer import Trainer, make_batch, token_logprobs
@@ -176,6 +176,55 @@ def test_seeds_repeat_and_equal_prompts_differ(trainer, engine) -> None:
         engine.sync_weights(trainer.model)
 
 
+def test_on_token_hears_each_step_and_ends_a_completion_whose_listener_has_gone(
+    trainer, engine, monkeypatch
+) -> None:
+    """With `on_token` (as `agentree serve` calls it) the engine runs its step loop itself: each
+    token is heard as the step that sampled it returns (id, log-prob, alternatives, as the
+    completion holds them), the draws are those of `LLM.generate`, and a completion whose
+    listener answers true is aborted there (finish reason `abort`) while the others run on.
+    On the broad policy of the seeds test, whose completions run long."""
+    broad = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        broad.get_output_embeddings().weight.mul_(0.02)
+    engine.sync_weights(broad)
+    llm_engine = engine.llm.llm_engine
+    steps: list[int] = []
+    step = llm_engine.step
+    monkeypatch.setattr(llm_engine, "step", lambda: steps.append(1) or step())
+    try:
+        prompt = prompt_ids(engine.tokenizer)
+        params = SamplingParams(max_tokens=12, n=2, logprobs=2, seed=3)
+        plain = engine.generate([prompt], params)[0]
+        assert len(plain[1].token_ids) > 3  # long enough to be cut
+        heard: list[tuple[int, SampledToken, int]] = []
+        told = engine.generate([prompt], params, lambda i, t: heard.append((i, t, len(steps))))[0]
+        for i, (a, b) in enumerate(zip(plain, told, strict=True)):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+            assert (a.logprobs, a.top_logprobs) == (b.logprobs, b.top_logprobs)
+            assert [t for j, t, _ in heard if j == i] == [
+                SampledToken(*x) for x in zip(b.token_ids, b.logprobs, b.top_logprobs, strict=True)
+            ]
+        longest = max(len(c.token_ids) for c in plain)
+        assert len({at for _, _, at in heard}) >= longest  # a step at a time, not at the end
+        counts = [0, 0]
+
+        def on_token(i: int, _t: SampledToken) -> bool:
+            counts[i] += 1
+            return i == 1 and counts[i] == 3
+
+        cut = engine.generate([prompt], params, on_token)[0]
+        assert (cut[0].token_ids, cut[0].finish_reason) == (
+            plain[0].token_ids,
+            plain[0].finish_reason,
+        )
+        assert cut[1].token_ids == plain[1].token_ids[:3] and cut[1].finish_reason == "abort"
+        assert len(cut[1].logprobs) == 3 and not llm_engine.has_unfinished_requests()
+    finally:
+        monkeypatch.undo()
+        engine.sync_weights(trainer.model)
+
+
 def test_session_matches_the_transformers_session(trainer, engine) -> None:
     prompt = prompt_ids(engine.tokenizer)
     hf = HFEngine(trainer.model, engine.tokenizer)
@@ -275,8 +324,8 @@ def test_served_endpoint_answers_the_judge(trainer, engine) -> None:
         )
         assert r.usage.completion_tokens >= 1
         assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
-        # streamed (the offline engine reports its tokens when the batch is done): the deltas
-        # join to the unstreamed reply drawn with the same seed
+        # streamed (the engine's steps tell each token): the deltas join to the unstreamed
+        # reply drawn with the same seed
         req = {"model": "tiny-judge", "messages": [{"role": "user", "content": "go"}]}
         whole = client.chat.completions.create(**req, max_tokens=8, seed=5).choices[0]
         parts = [

@@ -122,7 +122,7 @@ class SamplingRequest(BaseModel):
     model: str | None = None
     stream: bool | None = None
     """Answer as server-sent events (`OpenAIServer.stream`): the text as it is generated,
-    token by token on the transformers engine (at the end on vLLM's offline engine)."""
+    token by token."""
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

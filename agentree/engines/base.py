@@ -117,7 +117,7 @@ batches at the end has nothing left to save."""
 
 def report_tokens(results: list[list[Completion]], on_token: TokenSink | None) -> None:
     """Every token of finished `results` to `on_token`, completion by completion: how an
-    engine that returns whole batches (vLLM's offline engine, Ray replicas) keeps the hook."""
+    engine that returns whole batches (the Ray replica router) keeps the hook."""
     if on_token is None:
         return
     i = 0
@@ -148,9 +148,9 @@ class Engine(Protocol):
     ) -> list[list[Completion]]:
         """One list of `params.n` completions per prompt. `on_token(i, token)` hears each
         token (`SampledToken`) as it is sampled, `i` counting completions prompt by prompt
-        (`i // params.n` is the prompt): the transformers engine calls it every decoding step,
-        and ends a completion whose `on_token` returns true; engines that finish whole batches
-        elsewhere call it once per token at the end (`report_tokens`)."""
+        (`i // params.n` is the prompt): the transformers and vLLM engines call it as each
+        token is sampled and end a completion whose `on_token` returns true; engines that
+        finish whole batches elsewhere call it once per token at the end (`report_tokens`)."""
         ...
 
     def open_session(

@@ -38,6 +38,12 @@ the transformers engine's KV-forking session, and costly for large vocabularies 
 log-probs back as Python lists). `session_topk=K` returns only the top K per step (the rest at
 -inf): fast, but then the samplers draw from the top-K truncated, renormalised distribution.
 
+Streaming. With `on_token` (what `agentree serve` passes), `generate` adds the requests to the
+engine and runs its step loop itself (`LLMEngine.add_request` / `step` / `abort_request`, the
+loop `LLM.generate` runs), telling each token as the step that sampled it returns, and aborting
+a request whose listener has gone. Without it (rollouts, evaluation) `LLM.generate` runs the
+batch and only each request's final output comes back.
+
 Processes. By default vLLM runs its engine core (and on CPU a worker) in child processes;
 `close()` shuts them down, and a watchdog thread in the worker ends them if this process dies
 without closing (killed, or a crash that skips finalisers). `in_process=True` keeps everything in
@@ -46,6 +52,7 @@ this process (zero-copy weight sync when the trainer shares the GPU).
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import os
@@ -69,9 +76,9 @@ from agentree.engines.base import (
     Completion,
     EngineStats,
     LoraAdapter,
+    SampledToken,
     SamplingParams,
     TokenSink,
-    report_tokens,
 )
 
 EXACT_ENTROPY_VOCAB = 4096
@@ -111,6 +118,7 @@ class VLLMEngine:
         self.accepts_adapters = bool(llm_kwargs.get("enable_lora"))
         """Whether `sync_weights` takes a `LoraAdapter` (vLLM started with enable_lora)."""
         self._lora: Any = None  # the LoRARequest every request samples with
+        self._request_ids = itertools.count()  # for the requests `_stream` adds itself
         self._lora_dir: str | None = None
         t0 = time.perf_counter()
         self.llm = start_llm(
@@ -182,13 +190,15 @@ class VLLMEngine:
             for _ in range(params.n):
                 inputs.append(list(p))
                 sps.append(self._sampling(params, min(params.max_tokens, room), k, rng))
-        outs = self._run(inputs, sps)
+        if on_token is None:
+            outs, kept = self._run(inputs, sps), [None] * len(inputs)
+        else:
+            outs, kept = self._stream(inputs, sps, params, on_token)
         results: list[list[Completion]] = []
         for i, (prompt, out) in enumerate(zip(inputs, outs, strict=True)):
             if i % params.n == 0:
                 results.append([])
-            results[-1].append(self._completion(prompt, out, params))
-        report_tokens(results, on_token)  # the offline engine returns whole batches
+            results[-1].append(self._completion(prompt, out, params, kept[i]))
         return results
 
     def open_session(
@@ -313,41 +323,111 @@ class VLLMEngine:
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in inputs]
         outs = self.llm.generate(prompts, sps, use_tqdm=False, lora_request=self._lora)
+        self._count_prompts(inputs, outs)
+        return outs
+
+    def _stream(
+        self,
+        inputs: list[list[int]],
+        sps: list[Any],
+        params: SamplingParams,
+        on_token: TokenSink,
+    ) -> tuple[list[Any], list[int | None]]:
+        """`_run` through the engine's own loop (`LLMEngine.add_request` / `step` /
+        `abort_request`, what `LLM.generate` runs), telling `on_token` the tokens each step
+        adds; a request whose `on_token` answers true is aborted there. Each request's last
+        output, and for an aborted one how many of its tokens it keeps."""
+        # deferred: vllm is the optional [vllm] extra
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        names: list[str] = []
+        last: list[Any] = [None] * len(inputs)
+        kept: list[int | None] = [None] * len(inputs)
+        try:
+            for prompt, sp in zip(inputs, sps, strict=True):
+                sp.output_kind = RequestOutputKind.CUMULATIVE  # every step's tokens so far
+                names.append(f"agentree-{next(self._request_ids)}")
+                engine.add_request(
+                    names[-1], TokensPrompt(prompt_token_ids=prompt), sp, lora_request=self._lora
+                )
+            row = {name: i for i, name in enumerate(names)}
+            heard = [0] * len(inputs)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = row[out.request_id]
+                    last[i], c = out, out.outputs[0]
+                    for k in range(heard[i], len(c.token_ids)):
+                        logprob, top, _ = self._position(c.logprobs, k, c.token_ids[k], params)
+                        gone = on_token(i, SampledToken(c.token_ids[k], logprob, top))
+                        if gone and not (out.finished and k == len(c.token_ids) - 1):
+                            engine.abort_request([out.request_id])
+                            kept[i] = k + 1
+                            break
+                    heard[i] = len(c.token_ids)
+        finally:  # an error or an interrupt leaves no request of this call in the engine
+            running = [
+                name
+                for i, name in enumerate(names)
+                if kept[i] is None and (last[i] is None or not last[i].finished)
+            ]
+            if running:
+                engine.abort_request(running)
+        self._count_prompts(inputs, last)
+        return last, kept
+
+    def _count_prompts(self, inputs: list[list[int]], outs: list[Any]) -> None:
         self.stats.extra["requests"] += len(outs)
         for prompt, out in zip(inputs, outs, strict=True):
             cached = int(out.num_cached_tokens or 0)
             self.stats.tokens_cached += cached
             self.stats.tokens_prefilled += len(prompt) - cached
             self.stats.tokens_forward += len(prompt) - cached
-        return outs
 
-    def _completion(self, prompt: list[int], out: Any, params: SamplingParams) -> Completion:
+    def _completion(
+        self, prompt: list[int], out: Any, params: SamplingParams, kept: int | None = None
+    ) -> Completion:
+        """The `Completion` of a request's output; `kept`: it was aborted after that many
+        tokens (`_stream`)."""
         c = out.outputs[0]
-        if c.finish_reason not in ("stop", "length"):
+        if kept is None and c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
-        ids = list(c.token_ids)
+        ids = list(c.token_ids)[:kept]
         n = len(ids)
         self.stats.tokens_generated += n
         self.stats.tokens_forward += max(n - 1, 0)  # each token but the last is fed back
-        lp = c.logprobs
         logprobs, tops, ents = [], [], []
         for i, t in enumerate(ids):
-            s, e = lp.start_indices[i], lp.end_indices[i]
-            pos = dict(zip(lp.token_ids[s:e], lp.logprobs[s:e], strict=True))
-            logprobs.append(float(pos[t]))
-            if params.logprobs:
-                ranks = dict(zip(lp.token_ids[s:e], lp.ranks[s:e], strict=True))
-                best = sorted(pos, key=lambda tid: ranks[tid] or 0)[: params.logprobs]
-                tops.append({tid: float(pos[tid]) for tid in best})
-            if params.entropy:
-                ents.append(entropy_from_logprobs(list(pos.values()), self._vocab))
+            logprob, top, entropy = self._position(c.logprobs, i, t, params)
+            logprobs.append(logprob)
+            if top is not None:
+                tops.append(top)
+            if entropy is not None:
+                ents.append(entropy)
         return Completion(
             token_ids=ids,
             logprobs=logprobs,
-            finish_reason=c.finish_reason,
+            finish_reason=c.finish_reason if kept is None else "abort",
             top_logprobs=tops if params.logprobs else None,
             entropies=ents if params.entropy else None,
         )
+
+    def _position(
+        self, lp: Any, i: int, t: int, params: SamplingParams
+    ) -> tuple[float, dict[int, float] | None, float | None]:
+        """The log-prob of token `t` at position `i` of vLLM's flat log-probs `lp`, the
+        top-`params.logprobs` alternatives and the entropy there (when asked for)."""
+        s, e = lp.start_indices[i], lp.end_indices[i]
+        pos = dict(zip(lp.token_ids[s:e], lp.logprobs[s:e], strict=True))
+        top = entropy = None
+        if params.logprobs:
+            ranks = dict(zip(lp.token_ids[s:e], lp.ranks[s:e], strict=True))
+            best = sorted(pos, key=lambda tid: ranks[tid] or 0)[: params.logprobs]
+            top = {tid: float(pos[tid]) for tid in best}
+        if params.entropy:
+            entropy = entropy_from_logprobs(list(pos.values()), self._vocab)
+        return float(pos[t]), top, entropy
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> Any:
         """[len(rows), vocab] float tensor: next-token log-softmax at temperature 1."""
