@@ -301,7 +301,9 @@ def test_a_client_that_hangs_up_stops_its_completion(server, stream: bool) -> No
         gated.release.set()
         wait_for(lambda: gated.done)
         (cut,) = gated.out[0]
-        assert cut.finish_reason == "abort" and len(cut.token_ids) == 4
+        # stopped at the third token (when the hang-up was seen before the engine asked) or
+        # the fourth, not at 64
+        assert cut.finish_reason == "abort" and len(cut.token_ids) in (3, 4)
         gated.after = 0
         client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
         full = client.completions.create(model="gated", **body)
