@@ -259,7 +259,7 @@ class Batcher:
         # completion index of the merged call -> (its job, its index in that job)
         owners = [(j, i) for j in group for i in range(len(j.prompts) * n)]
 
-        def heard(index: int, token: int) -> bool:
+        def heard(index: int, token: SampledToken) -> bool:
             job, i = owners[index]
             if job.on_token is not None:
                 job.on_token(i, token)
