@@ -448,9 +448,7 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     threads += [threading.Thread(target=ask, args=(i,)) for i in range(1, 5)]
     for t in threads[1:]:
         t.start()
-    deadline = time.monotonic() + 30
-    while batcher._queue.qsize() < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: batcher._queue.qsize() == 4)
     gate.set()
     for t in threads:
         t.join()

@@ -553,10 +553,8 @@ class OpenAIServer:
         ids = list(c.token_ids)
         body, text, pos = self._text(ids, params)
         if pos is not None:
-            k = next(
-                (k for k in range(1, len(body) + 1) if len(self._decode(body[:k])) > pos),
-                len(body),
-            )
+            # the tokens whose text ends before the stop string, and the one it starts in
+            k = min(self._completed(body, 0, pos) + 1, len(body))
             return text[:pos], ids[:k], "stop", k
         return text, ids, c.finish_reason, len(ids)
 
