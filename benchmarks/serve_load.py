@@ -3,14 +3,16 @@ concurrent clients, and how many requests failed (a refused or reset connection,
 
     python benchmarks/serve_load.py [--agentree CMD] [--url http://127.0.0.1:PORT/v1]
                                     [--levels 1,8,32,64] [--requests 128] [--max-seconds 60]
+                                    [--max-tokens 8 | --max-tokens 4,8,16,32]
 
 By default it starts `python -m agentree serve --policy tiny --backend transformers` on a free
 port of 127.0.0.1, measures, and stops it (SIGTERM, then SIGKILL after 30 s). `--agentree CMD`
 starts another installation's server (e.g. `/work/venv-base/bin/agentree` for the code before
 the move to FastAPI); `--url` measures a server that is already running on 127.0.0.1. Each
 client sends greedy chat requests (`--max-tokens` tokens, one new connection per request, as
-simple clients and the judge do) until `--requests` requests were sent at that level or
-`--max-seconds` passed; nothing is sent anywhere but 127.0.0.1.
+simple clients and the judge do; several comma-separated values are cycled through, request i
+asking for the i-th, as clients that want different lengths do) until `--requests` requests
+were sent at that level or `--max-seconds` passed; nothing is sent anywhere but 127.0.0.1.
 
 Numbers depend on the machine and its load: run it on a quiet machine, before and after a
 change, with the same arguments.
@@ -87,7 +89,7 @@ def one_request(url: str, i: int, max_tokens: int) -> float | None:
     return time.perf_counter() - t0
 
 
-def level(url: str, clients: int, requests: int, max_seconds: float, max_tokens: int) -> dict:
+def level(url: str, clients: int, requests: int, max_seconds: float, max_tokens: list[int]) -> dict:
     """`clients` threads sending requests back to back until `requests` were sent or
     `max_seconds` passed."""
     sent = 0
@@ -104,7 +106,7 @@ def level(url: str, clients: int, requests: int, max_seconds: float, max_tokens:
                     return
                 sent += 1
                 i = sent
-            took = one_request(url, i, max_tokens)
+            took = one_request(url, i, max_tokens[i % len(max_tokens)])
             with lock:
                 if took is None:
                     failed += 1
@@ -142,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1,8,32,64", help="concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=128, help="requests per level")
     p.add_argument("--max-seconds", type=float, default=60.0, help="time limit per level")
-    p.add_argument("--max-tokens", type=int, default=8, help="completion tokens per request")
+    p.add_argument(
+        "--max-tokens", default="8", help="completion tokens per request (comma-separated: cycled)"
+    )
     p.add_argument("--start-timeout", type=float, default=300.0, help="server start limit (s)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    max_tokens = [int(x) for x in args.max_tokens.split(",")]
     requests = min(args.requests, MAX_REQUESTS)
 
     proc = None
@@ -160,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_server(args.agentree, port, args.start_timeout)
         url = f"http://127.0.0.1:{port}/v1"
     try:
-        level(url, 1, 2, args.max_seconds, args.max_tokens)  # warm-up, not reported
-        rows = [level(url, c, requests, args.max_seconds, args.max_tokens) for c in levels]
+        level(url, 1, 2, args.max_seconds, max_tokens)  # warm-up, not reported
+        rows = [level(url, c, requests, args.max_seconds, max_tokens) for c in levels]
     finally:
         if proc is not None:
             stop_children([proc], grace_s=30)
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": args.url or args.agentree,
         "cpus": os.cpu_count(),
         "load_avg": os.getloadavg(),
-        "max_tokens": args.max_tokens,
+        "max_tokens": max_tokens if len(max_tokens) > 1 else max_tokens[0],
     }
     print(f"# {json.dumps(header)}")
     print("| clients | answered/sent | failed | req/s | p50 (s) | p99 (s) |")

@@ -130,6 +130,78 @@ def test_a_completion_whose_listener_has_gone_ends_at_that_token(hf_engine):
     assert heard == [len(c.token_ids) for c in cut]
 
 
+def scaled_logprobs(engine, prompt, temperature):
+    """The log-probs of the first token after `prompt`, at `temperature`."""
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([list(prompt)])).logits[0, -1].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def test_params_per_prompt_give_each_prompt_its_own_call(hf_engine):
+    """One call with params of its own for each prompt (other limits, stops, log-prob counts,
+    entropy, `n`, temperatures) gives each prompt what a call of its own gives: greedy rows
+    the same tokens, log-probs and alternatives; a sampled row its log-probs under its own
+    temperature; a repeated prompt is still prefilled once."""
+    _, ps = prompts(hf_engine, 3)
+    each = [
+        SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, stop_token_ids=()),
+        SamplingParams(max_tokens=9, temperature=0.0, n=2, entropy=True),
+        SamplingParams(max_tokens=5, temperature=0.5, logprobs=4, stop_token_ids=()),
+        SamplingParams(max_tokens=7, temperature=0.0, stop=("e",), stop_token_ids=()),
+    ]
+    order = [ps[0], ps[1], ps[2], ps[0]]  # the last repeats the first with other params
+    before = hf_engine.stats.snapshot()
+    merged = hf_engine.generate(order, each)
+    after = hf_engine.stats.snapshot()
+    assert after["calls"] - before["calls"] == 1
+    assert after["tokens_prefilled"] - before["tokens_prefilled"] == sum(map(len, ps))
+    assert [len(c) for c in merged] == [1, 2, 1, 1]
+    assert [len(c.token_ids) for c in merged[0]] == [3]
+    assert merged[3][0].finish_reason == "stop" or len(merged[3][0].token_ids) == 7
+    for p, sp, got in zip(order, each, merged, strict=True):
+        alone = hf_engine.generate([p], sp)[0]
+        for g, a in zip(got, alone, strict=True):
+            if sp.temperature == 0:
+                assert (g.token_ids, g.finish_reason) == (a.token_ids, a.finish_reason)
+                assert g.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+                assert (g.entropies is None) == (not sp.entropy)
+                if sp.entropy:
+                    assert g.entropies == pytest.approx(a.entropies, abs=1e-4)
+            else:
+                ref = scaled_logprobs(hf_engine, p, sp.temperature)
+                assert g.logprobs[0] == pytest.approx(ref[g.token_ids[0]].item(), abs=1e-4)
+                assert len(g.token_ids) <= sp.max_tokens
+            if sp.logprobs:
+                assert all(len(t) == sp.logprobs for t in g.top_logprobs)
+                # a sampled row's later positions follow its own draws: its first is compared
+                k = len(g.top_logprobs) if sp.temperature == 0 else 1
+                for gt, at in zip(g.top_logprobs[:k], a.top_logprobs[:k], strict=True):
+                    assert list(gt) == list(at)
+                    assert list(gt.values()) == pytest.approx(list(at.values()), abs=1e-4)
+            else:
+                assert g.top_logprobs is None
+
+
+def test_params_per_prompt_keep_one_seed_and_one_count(hf_engine):
+    _, ps = prompts(hf_engine, 2)
+    with pytest.raises(ValueError, match="one seed"):
+        hf_engine.generate(ps, [SamplingParams(seed=1), SamplingParams(seed=2)])
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts"):
+        hf_engine.generate(ps, [SamplingParams()])
+
+
+def test_each_row_has_the_room_its_own_prompt_leaves(hf_engine, monkeypatch):
+    """Rows are positioned on their own, so a short prompt batched with a long one may run to
+    its own limit: the context length bounds each row by its own prompt."""
+    _, (short,) = prompts(hf_engine, 1)
+    long = short + short[1:]
+    monkeypatch.setattr(hf_engine, "_max_len", len(long) + 2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
+    got = hf_engine.generate([long, short], params)
+    assert [len(c[0].token_ids) for c in got] == [2, 6]
+    assert [c[0].finish_reason for c in got] == ["length", "length"]
+
+
 def test_greedy_is_deterministic_and_topk_restricts(hf_engine):
     _, ps = prompts(hf_engine, 1)
     g = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=())

@@ -460,6 +460,57 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
         assert [(j, t.id) for j, t in tokens] == [(0, t) for t in results[i][0][0].token_ids]
 
 
+def test_requests_with_other_params_share_one_engine_call(server) -> None:
+    """Waiting requests join one engine call whatever their params (other limits, `n`,
+    temperatures, log-prob counts), each answered as a call of its own would answer it and,
+    streamed, hearing its own completions; a seeded request runs alone, its draws repeatable."""
+    engine = server.api.engine
+    gate, entered = threading.Event(), threading.Event()
+    calls: list[tuple[int, bool]] = []  # (prompts, params one each)
+
+    class Gated:  # the real engine, held at the door until the queue has filled up
+        max_model_len = engine.max_model_len
+
+        def generate(self, prompts, params, on_token=None):
+            calls.append((len(prompts), not isinstance(params, SamplingParams)))
+            entered.set()
+            gate.wait(30)
+            return engine.generate(prompts, params, on_token)
+
+    batcher = Batcher(Gated())  # type: ignore[arg-type]
+    tok = server.api.tokenizer
+    prompts = [tok.encode(f"_ {i} P") for i in range(5)]
+    asked = [
+        SamplingParams(max_tokens=4, temperature=0.0),
+        SamplingParams(max_tokens=3, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=0.0, n=2),
+        SamplingParams(max_tokens=5, temperature=0.7, logprobs=2),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=5),
+    ]
+    heard: list[tuple[int, int]] = []
+    first = batcher.submit([prompts[0]], asked[0])
+    assert entered.wait(30)
+    futures = [
+        batcher.submit([p], a, (lambda *x: heard.append(x)) if i == 2 else None)
+        for i, (p, a) in enumerate(zip(prompts, asked, strict=True))
+        if i
+    ]
+    wait_for(lambda: batcher._queue.qsize() == 4)
+    gate.set()
+    first.result()
+    short, pair, sampled, seeded = (f.result()[0] for f in futures)
+    batcher.close()
+    assert calls == [(1, False), (3, True), (1, False)]
+    assert [c.token_ids for c in short] == [engine_greedy(server, prompts[1], 3)]
+    assert [c.token_ids for c in pair] == [engine_greedy(server, prompts[2], 9)] * 2
+    assert {i for i, _ in heard} == {0, 1}  # its own completions, no other request's
+    for j, c in enumerate(pair):  # the rows are heard step by step, interleaved
+        assert [t.id for i, t in heard if i == j] == c.token_ids
+    assert len(sampled[0].token_ids) <= 5 and len(sampled[0].top_logprobs[0]) == 2
+    alone = engine.generate([prompts[4]], asked[4])[0]
+    assert [c.token_ids for c in seeded] == [c.token_ids for c in alone]
+
+
 def test_add_serve_command_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="agentree")
     add_serve_command(parser.add_subparsers(dest="command"))

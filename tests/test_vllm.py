@@ -176,6 +176,42 @@ def test_seeds_repeat_and_equal_prompts_differ(trainer, engine) -> None:
         engine.sync_weights(trainer.model)
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_params_per_prompt_give_each_prompt_its_own_call(trainer, engine, streamed) -> None:
+    """One call with params of its own for each prompt (limits, `n`, temperatures, log-prob
+    counts, entropy), through `LLM.generate` or the streaming loop: greedy prompts answered
+    as their own calls answer them, a sampled one with log-probs at its own temperature."""
+    tok = engine.tokenizer
+    prompt = prompt_ids(tok)
+    other = tok.encode("<|im_start|>user\nG__P\nWhich way?<|im_end|>\n<|im_start|>assistant\n")
+    each = [
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=2),  # its reply is longer
+        SamplingParams(max_tokens=9, temperature=0.0, n=2, entropy=True),
+        SamplingParams(max_tokens=6, temperature=0.7, logprobs=4),
+    ]
+    order = [prompt, other, prompt]
+    heard: list[int] = []
+    hook = (lambda i, _t: heard.append(i)) if streamed else None
+    merged = engine.generate(order, each, hook)
+    assert [len(c) for c in merged] == [1, 2, 1]
+    assert (len(merged[0][0].token_ids), merged[0][0].finish_reason) == (1, "length")
+    assert len(merged[2][0].token_ids) > 1  # the same prompt, its own limit
+    if streamed:
+        assert sorted(set(heard)) == [0, 1, 2, 3]  # completions counted prompt by prompt
+    for p, sp, got in zip(order, each, merged, strict=True):
+        for c in got:
+            lp = teacher_forced(trainer.model, p, c.token_ids, sp.temperature)
+            sampled = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert torch.allclose(sampled, torch.tensor(c.logprobs), atol=TOL)
+            assert (c.entropies is not None) == sp.entropy
+            tops = c.top_logprobs or []
+            assert (c.top_logprobs is not None) == bool(sp.logprobs)
+            assert all(len(t) == sp.logprobs for t in tops)
+            if sp.temperature == 0:
+                alone = engine.generate([p], sp)[0][0]
+                assert (c.token_ids, c.finish_reason) == (alone.token_ids, alone.finish_reason)
+
+
 def test_on_token_hears_each_step_and_ends_a_completion_whose_listener_has_gone(
     trainer, engine, monkeypatch
 ) -> None:

@@ -182,7 +182,9 @@ class _Job:
 
 
 class Batcher:
-    """Runs engine calls on one worker thread, merging concurrent requests with equal params."""
+    """Runs engine calls on one worker thread, merging the requests that wait into one call:
+    each keeps its own params (`Engine.generate` takes one per prompt), and a request with a
+    `seed` runs alone, since a call draws from one seed."""
 
     def __init__(self, engine: Engine, max_batch: int = 64) -> None:
         self.engine = engine
@@ -246,8 +248,7 @@ class Batcher:
             for j in jobs:
                 if not j.future.set_running_or_notify_cancel():
                     continue  # abandoned while queued
-                key = j.params if j.params.seed is None else id(j)
-                groups.setdefault(key, []).append(j)
+                groups.setdefault(None if j.params.seed is None else id(j), []).append(j)
             for group in groups.values():
                 self._call(group)
             if stop:
@@ -255,9 +256,10 @@ class Batcher:
 
     def _call(self, group: list[_Job]) -> None:
         prompts = [p for j in group for p in j.prompts]
-        n = group[0].params.n
+        each = [j.params for j in group for _ in j.prompts]
+        params = each[0] if len(set(each)) == 1 else each
         # completion index of the merged call -> (its job, its index in that job)
-        owners = [(j, i) for j in group for i in range(len(j.prompts) * n)]
+        owners = [(j, i) for j in group for i in range(len(j.prompts) * j.params.n)]
 
         def heard(index: int, token: SampledToken) -> bool:
             job, i = owners[index]
@@ -268,7 +270,7 @@ class Batcher:
         answer: list[list[Completion]] | Exception
         try:
             self.calls += 1
-            answer = self.engine.generate(prompts, group[0].params, on_token=heard)
+            answer = self.engine.generate(prompts, params, on_token=heard)
         except Exception as e:
             answer = e
         with self._lock:

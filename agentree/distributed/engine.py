@@ -25,8 +25,10 @@ from agentree.config import validate_config
 from agentree.engines.base import (
     Completion,
     EngineStats,
+    Params,
     SamplingParams,
     TokenSink,
+    per_prompt,
     report_tokens,
 )
 from agentree.policy import build_engine, resolve_policy
@@ -61,7 +63,7 @@ class EngineReplica:
         }
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, version: int = 0
+        self, prompts: list[list[int]], params: Params, version: int = 0
     ) -> tuple[list[list[Completion]], dict[str, int]]:
         if self.version < version:  # restarted since the last sync: never sample stale weights
             raise ReplicaBehind(f"replica holds weights v{self.version}, v{version} wanted")
@@ -188,9 +190,10 @@ class RemoteEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Params,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
+        each = per_prompt(prompts, params)
         out: list[list[Completion] | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         while todo:  # each pass loses at least one replica, so this ends
@@ -199,7 +202,9 @@ class RemoteEngine:
                 by_replica.setdefault(self.route(prompts[i]), []).append(i)
             refs = {
                 r: self.replicas[r].generate.remote(
-                    [list(prompts[i]) for i in idx], params, self.version
+                    [list(prompts[i]) for i in idx],
+                    params if isinstance(params, SamplingParams) else [each[i] for i in idx],
+                    self.version,
                 )
                 for r, idx in by_replica.items()
             }

@@ -37,6 +37,27 @@ class SamplingParams:
     seed: int | None = None
 
 
+Params = SamplingParams | Sequence[SamplingParams]
+"""What `Engine.generate` samples with: one `SamplingParams` for every prompt, or one per
+prompt (requests with other limits, stops, temperatures or log-prob counts in one call)."""
+
+
+def per_prompt(prompts: Sequence[Sequence[int]], params: Params) -> list[SamplingParams]:
+    """The `SamplingParams` of each prompt. A call draws from one seed, so the prompts'
+    seeds must agree."""
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    each = list(params)
+    if len(each) != len(prompts):
+        raise ValueError(f"{len(each)} sampling params for {len(prompts)} prompts")
+    if len({p.seed for p in each}) > 1:
+        raise ValueError(
+            "one engine call draws from one seed: give the prompts of a call the same "
+            "`seed`, or generate them in separate calls"
+        )
+    return each
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -143,14 +164,15 @@ class Engine(Protocol):
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Params,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
-        """One list of `params.n` completions per prompt. `on_token(i, token)` hears each
-        token (`SampledToken`) as it is sampled, `i` counting completions prompt by prompt
-        (`i // params.n` is the prompt): the transformers and vLLM engines call it as each
-        token is sampled and end a completion whose `on_token` returns true; engines that
-        finish whole batches elsewhere call it once per token at the end (`report_tokens`)."""
+        """One list of `n` completions per prompt, `params` one for all prompts or one each
+        (`per_prompt`). `on_token(i, token)` hears each token (`SampledToken`) as it is
+        sampled, `i` counting completions prompt by prompt (with one `params`, `i // params.n`
+        is the prompt): the transformers and vLLM engines call it as each token is sampled
+        and end a completion whose `on_token` returns true; engines that finish whole batches
+        elsewhere call it once per token at the end (`report_tokens`)."""
         ...
 
     def open_session(

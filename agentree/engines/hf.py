@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from agentree.engines.base import (
     Completion,
     EngineStats,
+    Params,
     SampledToken,
     SamplingParams,
     TokenSink,
+    per_prompt,
 )
 from agentree.hub.load import load_policy
 
@@ -319,81 +321,91 @@ class HFEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Params,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+        each = per_prompt(prompts, params)
+        if each[0].seed is not None:
+            self.generator.manual_seed(each[0].seed)
         self.stats.calls += 1
-        # Identical prompts are prefilled once; each occurrence still gets its own samples.
+        # Identical prompts are prefilled once; each occurrence still gets its own samples,
+        # drawn with its own params: `rows[u]` holds the params of unique prompt u's rows.
         unique: dict[tuple[int, ...], int] = {}
-        mult: list[int] = []
-        for p in prompts:
+        rows: list[list[SamplingParams]] = []
+        # for `on_token`: where each unique prompt's samples land in the output, its
+        # occurrences in prompt order, `n` samples each
+        places: list[list[int]] = []
+        first = 0  # completion index of this prompt's first sample
+        for p, ps in zip(prompts, each, strict=True):
             if not p:
                 raise ValueError("cannot generate from an empty prompt")
             u = unique.setdefault(tuple(p), len(unique))
-            if u == len(mult):
-                mult.append(0)
-            mult[u] += params.n
+            if u == len(rows):
+                rows.append([])
+                places.append([])
+            rows[u] += [ps] * ps.n
+            places[u] += range(first, first + ps.n)
+            first += ps.n
         keys = [list(k) for k in unique]
-        # for `on_token`: where each unique prompt's samples land in the output, its
-        # occurrences in prompt order, `params.n` samples each
-        places: list[list[int]] = [[] for _ in keys]
-        if on_token is not None:
-            for i, p in enumerate(prompts):
-                places[unique[tuple(p)]] += range(i * params.n, (i + 1) * params.n)
         results: list[list[Completion]] = []
         was_training = self.model.training
         self.model.eval()
         try:
             start = 0
             while start < len(keys):
-                stop, rows = start, 0
+                stop, width = start, 0
                 while stop < len(keys) and (
-                    stop == start or rows + mult[stop] <= self.max_batch_size
+                    stop == start or width + len(rows[stop]) <= self.max_batch_size
                 ):
-                    rows += mult[stop]
+                    width += len(rows[stop])
                     stop += 1
                 sink = None
                 if on_token is not None:
                     index = [i for u in range(start, stop) for i in places[u]]
                     sink = _relabel(on_token, index)
-                results += self._generate_unique(keys[start:stop], mult[start:stop], params, sink)
+                results += self._generate_unique(keys[start:stop], rows[start:stop], sink)
                 start = stop
         finally:
             self.model.train(was_training)
         out: list[list[Completion]] = []
         taken = [0] * len(keys)
-        for p in prompts:
+        for p, ps in zip(prompts, each, strict=True):
             u = unique[tuple(p)]
-            out.append(results[u][taken[u] : taken[u] + params.n])
-            taken[u] += params.n
+            out.append(results[u][taken[u] : taken[u] + ps.n])
+            taken[u] += ps.n
         return out
 
     def _generate_unique(
         self,
         prompts: list[list[int]],
-        counts: list[int],
-        params: SamplingParams,
+        rows: list[list[SamplingParams]],
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
-        """`counts[i]` completions for each distinct prompt `prompts[i]`; `on_token` hears
-        each row's tokens by row (the rows are the prompts' completions in order)."""
+        """`len(rows[i])` completions for each distinct prompt `prompts[i]`, drawn with the
+        params in `rows[i]`; `on_token` hears each row's tokens by row (the rows are the
+        prompts' completions in order). Rows whose sampling agrees (temperature, top-p,
+        top-k, log-probs, entropy) sample together; each row keeps its own limit and stops."""
         longest = max(len(p) for p in prompts)
-        max_new = min(params.max_tokens, self._max_len - longest)
-        if max_new <= 0:
+        if longest >= self._max_len:
             raise ValueError(
                 f"prompt of {longest} tokens leaves no room to generate (max_model_len "
                 f"{self._max_len})"
             )
         batch = _Batch(self, prompts)
-        owner = [i for i, c in enumerate(counts) for _ in range(c)]
+        owner = [i for i, r in enumerate(rows) for _ in r]
         if len(owner) > len(prompts):
             batch.select(owner)
-        stop = set(params.stop_token_ids) | set(self.eos_token_ids)
-        stop_text = _StopText(self.tokenizer, params.stop)
+        params = [p for r in rows for p in r]  # of each output slot
+        # each row's positions are its own: the room a row has is what its prompt leaves
+        limit = [
+            min(p.max_tokens, self._max_len - len(prompts[u]))
+            for p, u in zip(params, owner, strict=True)
+        ]
+        stops = [set(p.stop_token_ids) | set(self.eos_token_ids) for p in params]
+        texts = {p.stop: _StopText(self.tokenizer, p.stop) for p in params}
+        stop_text = [texts[p.stop] for p in params]
         n = len(batch.tokens)
         live = list(range(n))  # output slot of each live row
         toks: list[list[int]] = [[] for _ in range(n)]
@@ -401,26 +413,26 @@ class HFEngine:
         ents: list[list[float]] = [[] for _ in range(n)]
         tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
         finish = ["length"] * n
-        for step in range(max_new):
-            token, logprob, entropy, top = sample_next(batch.logits, params, self.generator)
+        for step in range(max(limit)):
+            sampled = self._sample([params[slot] for slot in live], batch.logits)
             keep: list[int] = []
             for r, slot in enumerate(live):
-                t, lp = int(token[r]), float(logprob[r])
+                t, lp, entropy, top = sampled[r]
                 toks[slot].append(t)
                 lps[slot].append(lp)
                 if entropy is not None:
-                    ents[slot].append(float(entropy[r]))
+                    ents[slot].append(entropy)
                 if top is not None:
-                    tops[slot].append(top[r])
-                ended = t in stop or stop_text.hit(toks[slot])
+                    tops[slot].append(top)
+                ended = t in stops[slot] or stop_text[slot].hit(toks[slot])
                 if ended:
                     finish[slot] = "stop"
+                last = step == limit[slot] - 1
                 if on_token is not None:
-                    told = SampledToken(t, lp, top[r] if top is not None else None)
-                    gone = on_token(slot, told)  # true: its listener has gone
-                    if gone and not ended and step < max_new - 1:
+                    gone = on_token(slot, SampledToken(t, lp, top))  # true: its listener left
+                    if gone and not ended and not last:
                         finish[slot], ended = "abort", True
-                if ended or step == max_new - 1:
+                if ended or last:
                     batch.store(r)
                 else:
                     keep.append(r)
@@ -438,11 +450,35 @@ class HFEngine:
                     token_ids=toks[i],
                     logprobs=lps[i],
                     finish_reason=finish[i],  # type: ignore[arg-type]
-                    top_logprobs=tops[i] if params.logprobs else None,
-                    entropies=ents[i] if params.entropy else None,
+                    top_logprobs=tops[i] if params[i].logprobs else None,
+                    entropies=ents[i] if params[i].entropy else None,
                 )
             )
         return grouped
+
+    def _sample(
+        self, params: list[SamplingParams], logits: torch.Tensor
+    ) -> list[tuple[int, float, float | None, dict[int, float] | None]]:
+        """One (token, log-prob, entropy, top alternatives) per row of `logits`, each row
+        drawn with its params: rows whose sampling agrees are drawn together, in the order
+        their first row comes (one group, the usual call, is one `sample_next`)."""
+        groups: dict[tuple, list[int]] = {}
+        for r, p in enumerate(params):
+            key = (p.temperature, p.top_p, p.top_k, p.logprobs, p.entropy)
+            groups.setdefault(key, []).append(r)
+        out: list[Any] = [None] * len(params)
+        for members in groups.values():
+            whole = len(members) == len(params)
+            token, logprob, entropy, top = sample_next(
+                logits if whole else logits[members], params[members[0]], self.generator
+            )
+            ents = entropy.tolist() if entropy is not None else [None] * len(members)
+            found = top if top is not None else [None] * len(members)
+            for r, t, lp, e, k in zip(
+                members, token.tolist(), logprob.tolist(), ents, found, strict=True
+            ):
+                out[r] = (t, lp, e, k)
+        return out
 
     @torch.no_grad()
     def open_session(self, prompts: Sequence[Sequence[int]], temperature: float = 1.0) -> HFSession:

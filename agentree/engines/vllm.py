@@ -76,9 +76,11 @@ from agentree.engines.base import (
     Completion,
     EngineStats,
     LoraAdapter,
+    Params,
     SampledToken,
     SamplingParams,
     TokenSink,
+    per_prompt,
 )
 
 EXACT_ENTROPY_VOCAB = 4096
@@ -166,19 +168,20 @@ class VLLMEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Params,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
         self._check_open()
+        each = per_prompt(prompts, params)
         self.stats.calls += 1
         # Per-request seeds drawn from one stream: repeatable under `seed()` / `params.seed`, and
         # identical prompts still get different samples (vLLM would give equal seeds equal draws).
-        rng = random.Random(params.seed) if params.seed is not None else self._rng
-        k = max(params.logprobs, self.entropy_topk if params.entropy else 0)
-        inputs, sps = [], []
-        for p in prompts:
+        seed = each[0].seed
+        rng = random.Random(seed) if seed is not None else self._rng
+        inputs, sps, asked = [], [], []  # a request per sample, and the params it came with
+        for p, ps in zip(prompts, each, strict=True):
             if not p:
                 raise ValueError("cannot generate from an empty prompt")
             room = self._max_len - len(p)
@@ -187,18 +190,23 @@ class VLLMEngine:
                     f"prompt of {len(p)} tokens leaves no room to generate (max_model_len "
                     f"{self._max_len})"
                 )
-            for _ in range(params.n):
+            k = max(ps.logprobs, self.entropy_topk if ps.entropy else 0)
+            for _ in range(ps.n):
                 inputs.append(list(p))
-                sps.append(self._sampling(params, min(params.max_tokens, room), k, rng))
+                sps.append(self._sampling(ps, min(ps.max_tokens, room), k, rng))
+                asked.append(ps)
         if on_token is None:
             outs, kept = self._run(inputs, sps), [None] * len(inputs)
         else:
-            outs, kept = self._stream(inputs, sps, params, on_token)
+            outs, kept = self._stream(inputs, sps, asked, on_token)
+        comps = [
+            self._completion(prompt, out, ps, k)
+            for prompt, out, ps, k in zip(inputs, outs, asked, kept, strict=True)
+        ]
         results: list[list[Completion]] = []
-        for i, (prompt, out) in enumerate(zip(inputs, outs, strict=True)):
-            if i % params.n == 0:
-                results.append([])
-            results[-1].append(self._completion(prompt, out, params, kept[i]))
+        for ps in each:
+            results.append(comps[: ps.n])
+            comps = comps[ps.n :]
         return results
 
     def open_session(
@@ -330,7 +338,7 @@ class VLLMEngine:
         self,
         inputs: list[list[int]],
         sps: list[Any],
-        params: SamplingParams,
+        asked: list[SamplingParams],
         on_token: TokenSink,
     ) -> tuple[list[Any], list[int | None]]:
         """`_run` through the engine's own loop (`LLMEngine.add_request` / `step` /
@@ -359,7 +367,7 @@ class VLLMEngine:
                     i = row[out.request_id]
                     last[i], c = out, out.outputs[0]
                     for k in range(heard[i], len(c.token_ids)):
-                        logprob, top, _ = self._position(c.logprobs, k, c.token_ids[k], params)
+                        logprob, top, _ = self._position(c.logprobs, k, c.token_ids[k], asked[i])
                         gone = on_token(i, SampledToken(c.token_ids[k], logprob, top))
                         if gone and not (out.finished and k == len(c.token_ids) - 1):
                             engine.abort_request([out.request_id])
