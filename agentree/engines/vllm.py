@@ -355,7 +355,9 @@ class VLLMEngine:
         kept: list[int | None] = [None] * len(inputs)
         try:
             for prompt, sp in zip(inputs, sps, strict=True):
-                sp.output_kind = RequestOutputKind.CUMULATIVE  # every step's tokens so far
+                # every step's tokens so far: vLLM's output processor hands its own growing
+                # token and log-prob lists, not copies, so a long stream stays linear
+                sp.output_kind = RequestOutputKind.CUMULATIVE
                 names.append(f"agentree-{next(self._request_ids)}")
                 engine.add_request(
                     names[-1], TokensPrompt(prompt_token_ids=prompt), sp, lora_request=self._lora
