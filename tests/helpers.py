@@ -22,8 +22,9 @@ from agentree.distributed.cluster import processes_matching
 from agentree.engines.base import (
     Completion,
     EngineStats,
-    SamplingParams,
+    Params,
     TokenSink,
+    per_prompt,
     report_tokens,
 )
 
@@ -52,18 +53,18 @@ class ScriptedEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
+        params: Params,
         on_token: TokenSink | None = None,
     ) -> list[list[Completion]]:
         self.calls.append(len(prompts))
         out = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, per_prompt(prompts, params), strict=True)):
             text = self.tokenizer.decode(list(p))
             ids = self.tokenizer.encode(self.choose(text, i), add_special_tokens=False)
             ids = [*ids, self.tokenizer.eos_token_id]
-            self.stats.tokens_generated += len(ids) * params.n
+            self.stats.tokens_generated += len(ids) * sp.n
             self.stats.tokens_prefilled += len(p)
-            out.append([Completion(list(ids), [0.0] * len(ids), "stop") for _ in range(params.n)])
+            out.append([Completion(list(ids), [0.0] * len(ids), "stop") for _ in range(sp.n)])
         report_tokens(out, on_token)
         return out
 

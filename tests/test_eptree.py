@@ -12,7 +12,7 @@ from tiny_setup import check_group, tiny_context, tiny_engine
 from toy_policy import EOS, PROMPT, ToyEngine, toy_context
 
 from agentree.config import load_config
-from agentree.engines.base import Completion
+from agentree.engines.base import Completion, per_prompt
 from agentree.envs.base import Task
 from agentree.rollout.token.eptree import (
     THEOREM1_BOUNDS,
@@ -183,12 +183,13 @@ class EndlessEngine(ToyEngine):
         self.rng = random.Random(seed)
 
     def generate(self, prompts, params):
+        self.stats.calls += 1
         out = []
-        for _ in prompts:
+        for sp in per_prompt(prompts, params):
             comps = []
-            for _ in range(params.n):
+            for _ in range(sp.n):
                 toks, lps = [], []
-                for _ in range(params.max_tokens):
+                for _ in range(sp.max_tokens):
                     u = self.rng.uniform(0.05, 0.95)
                     first = self.rng.random() < u
                     toks.append(1 if first else 2)
@@ -200,7 +201,8 @@ class EndlessEngine(ToyEngine):
 
 
 def leaf_ratio(continuation, m, n, iters, t, prompts=20):
-    """Leaves per tree over independent chains of the same length at equal generated tokens."""
+    """Leaves per tree over independent chains of the same length at equal generated tokens,
+    the leaves' lengths, and the engine calls made."""
     ctx, _ = toy_context(lambda resp: {}, max_tokens=LENGTH)
     ctx.engine = EndlessEngine()
     ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, answer_markers=[], continuation=continuation))
@@ -208,7 +210,7 @@ def leaf_ratio(continuation, m, n, iters, t, prompts=20):
     lengths = [len(leaf.token_ids) - len(PROMPT) for tree in trees for leaf in ep.group(tree)]
     leaves = len(lengths) / (prompts * m)
     chains = stats.policy_tokens_generated / (prompts * m) / LENGTH
-    return leaves / chains, lengths
+    return leaves / chains, lengths, ctx.engine.stats.calls
 
 
 @pytest.mark.parametrize(("n", "iters", "t"), [(2, 1, 2), (1, 2, 1), (2, 2, 1)])
@@ -217,8 +219,9 @@ def test_eptree_leaves_match_theorem1_at_fixed_length(n, iters, t):
     through `continuation: remaining`), gives the leaf ratio Theorem 1 predicts, within its
     bounds. Positions are discrete (a continuation from offset k has LENGTH - k tokens, mean
     1/2 + 1/(2 LENGTH) of a chain), so the match is to a few percent."""
-    ratio, lengths = leaf_ratio("remaining", 8, n, iters, t, prompts=50)
+    ratio, lengths, calls = leaf_ratio("remaining", 8, n, iters, t, prompts=50)
     assert set(lengths) == {LENGTH}  # every leaf is exactly as long as a chain
+    assert calls == 1 + iters  # the chains, then one call an iteration whatever the budgets
     assert ratio == pytest.approx(theorem1_ratio(n, t, iters), rel=0.05)
     low, high = THEOREM1_BOUNDS
     assert low <= ratio < high
@@ -227,6 +230,6 @@ def test_eptree_leaves_match_theorem1_at_fixed_length(n, iters, t):
 def test_full_budget_continuations_break_the_fixed_length_assumption():
     # Each continuation spends a whole chain's budget: tokens grow as fast as leaves, so the
     # tree has exactly as many leaves as independent chains would at equal tokens.
-    ratio, lengths = leaf_ratio("full", 4, 2, 1, 2, prompts=4)
+    ratio, lengths, _ = leaf_ratio("full", 4, 2, 1, 2, prompts=4)
     assert ratio == pytest.approx(1.0)
     assert max(lengths) > LENGTH

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agentree.engines.base import Completion, EngineStats, SamplingParams
+from agentree.engines.base import Completion, EngineStats, Params, SamplingParams, per_prompt
 from agentree.envs.base import Env
 from agentree.rollout.base import RolloutContext
 
@@ -104,23 +104,21 @@ class ToyEngine:
     def open_session(self, prompts: Sequence[Sequence[int]], temperature: float = 1.0):
         return ToySession(self, prompts, temperature)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: Params) -> list[list[Completion]]:
         self.prompts_seen += [list(p) for p in prompts]
         unique = {tuple(p) for p in prompts}
         self.stats.tokens_prefilled += sum(len(p) for p in unique)
         self.stats.tokens_forward += sum(len(p) for p in unique)
-        stop = set(params.stop_token_ids) | {EOS}
         out = []
-        for p in prompts:
+        for p, sp in zip(prompts, per_prompt(prompts, params), strict=True):
+            stop = set(sp.stop_token_ids) | {EOS}
             comps = []
-            for _ in range(params.n):
+            for _ in range(sp.n):
                 toks: list[int] = []
                 lps: list[float] = []
                 finish = "length"
-                for _ in range(params.max_tokens):
-                    lp = logprob_row(self.dist, list(p[len(PROMPT) :]) + toks, params.temperature)
+                for _ in range(sp.max_tokens):
+                    lp = logprob_row(self.dist, list(p[len(PROMPT) :]) + toks, sp.temperature)
                     t = int(torch.multinomial(lp.exp(), 1, generator=self.generator))
                     toks.append(t)
                     lps.append(float(lp[t]))

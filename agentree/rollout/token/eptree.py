@@ -22,8 +22,9 @@ budget too), so one engine call serves every fork point of every prompt.
 TreeRL's Theorem 1 (App. B: 4/3 to 12/5 times the leaves of independent sampling at equal
 generated tokens) assumes fixed generation lengths: a continuation forked at relative position
 x runs for the remaining 1 - x. `continuation: remaining` gives each continuation exactly the
-tokens its forked response had left after the fork point (one engine call per distinct budget),
-so no leaf outgrows the response it forks from; `theorem1_ratio` is the theorem's prediction.
+tokens its forked response had left after the fork point (still one engine call, each budget in
+its continuation's own params), so no leaf outgrows the response it forks from;
+`theorem1_ratio` is the theorem's prediction.
 """
 
 from __future__ import annotations
@@ -202,13 +203,9 @@ class _Forest:
             budgets = [
                 max(1, min(cap, ch.start + len(ch.token_ids) - off)) for _, _, ch, off in jobs
             ]
-        outs: list[list[Completion]] = [[] for _ in jobs]
-        for budget in sorted(set(budgets)):  # one engine call per distinct budget
-            idx = [i for i, b in enumerate(budgets) if b == budget]
-            params = replace(self.ctx.sampling, n=self.cfg.T, max_tokens=budget)
-            got = self.ctx.engine.generate([contexts[i] for i in idx], params)
-            for i, comps in zip(idx, got, strict=True):
-                outs[i] = comps
+        # one engine call, each job with its own budget
+        params = [replace(self.ctx.sampling, n=self.cfg.T, max_tokens=b) for b in budgets]
+        outs = self.ctx.engine.generate(contexts, params)
         for (g, tree, chain, off), comps in zip(jobs, outs, strict=True):
             neglogp = -chain.logprobs[off - chain.start]
             for comp in comps:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 
 from pydantic import Field, field_validator
 
-from agentree.engines.base import Completion
 from agentree.envs.base import Task
 from agentree.rollout.base import Controller, ControllerConfig, RolloutContext, RolloutStats
 from agentree.rollout.token.tokentree import (
@@ -161,20 +160,16 @@ class _Search:
     def grow(self, queue: list[_Path]) -> tuple[list[_Path], list[int]]:
         """One segment for every queued path; returns (paths going on, leaves made per root)."""
         c, ctx, roots = self.cfg, self.ctx, self.roots
-        budgets: dict[int, list[int]] = {}
-        for i, p in enumerate(queue):
+        params = []  # one engine call, each path with what its response has left
+        for p in queue:
             used = len(response_ids(roots[p.root].tree, p.node))
-            budgets.setdefault(min(c.l, roots[p.root].max_new - used), []).append(i)
-        segments: list[Completion | None] = [None] * len(queue)
-        for max_tokens, idx in budgets.items():
-            params = replace(ctx.sampling, max_tokens=max_tokens, n=1)
-            contexts = [roots[queue[i].root].tree.context_ids(queue[i].node) for i in idx]
-            for i, comps in zip(idx, ctx.engine.generate(contexts, params), strict=True):
-                segments[i] = comps[0]
+            left = min(c.l, roots[p.root].max_new - used)
+            params.append(replace(ctx.sampling, max_tokens=left, n=1))
+        contexts = [roots[p.root].tree.context_ids(p.node) for p in queue]
+        segments = [comps[0] for comps in ctx.engine.generate(contexts, params)]
         active: list[_Path] = []
         stopped = [0] * len(roots)
         for p, comp in zip(queue, segments, strict=True):
-            assert comp is not None
             tree = roots[p.root].tree
             ids = list(comp.token_ids)
             node = tree.add_child(
