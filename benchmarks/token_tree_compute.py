@@ -115,6 +115,8 @@ class Result:
     mean_len: float
     copies: float
     """Trajectories per prompt that copy another (LATR padding), not sampled."""
+    calls: int
+    """Engine calls (`generate` or decode sessions) the rollout made."""
 
     @property
     def decode(self) -> int:
@@ -131,20 +133,28 @@ def answer_key(info: dict[str, Any]) -> str | None:
 
 def timed_rollout(
     controller: Controller, engine: HFEngine, ctx: RolloutContext, tasks: list[Task], seed: int
-) -> tuple[list[Tree], int, float]:
-    """(trees, forward tokens, wall seconds) of one rollout from a cold prefix cache."""
+) -> tuple[list[Tree], int, float, int]:
+    """(trees, forward tokens, wall seconds, engine calls) of one rollout from a cold prefix
+    cache."""
     engine.prefix_cache.clear()
     engine.seed(seed)
     ctx.rng = random.Random(seed)
-    before = engine.stats.snapshot()["tokens_forward"]
+    before = engine.stats.snapshot()
     t0 = time.perf_counter()
     trees, _ = controller.rollout(tasks, ctx)
     wall = time.perf_counter() - t0
-    return trees, engine.stats.snapshot()["tokens_forward"] - before, wall
+    after = engine.stats.snapshot()
+    forward = after["tokens_forward"] - before["tokens_forward"]
+    return trees, forward, wall, after["calls"] - before["calls"]
 
 
 def summarize(
-    name: str, controller: Controller, trees: list[Tree], forward: int, walls: list[float]
+    name: str,
+    controller: Controller,
+    trees: list[Tree],
+    forward: int,
+    walls: list[float],
+    calls: int,
 ) -> Result:
     groups = [controller.group(t) for t in trees]
     flat = [t for g in groups for t in g]
@@ -168,6 +178,7 @@ def summarize(
         reward=sum(t.reward for t in flat) / len(flat),
         mean_len=sum(t.num_policy_tokens for t in flat) / len(flat),
         copies=sum("copy_of" in tree.nodes[leaf].info for tree, leaf in leaves) / len(trees),
+        calls=calls,
     )
 
 
@@ -181,14 +192,15 @@ def bench(
 ) -> list[Result]:
     """Token counts from the first run (seeded); wall time is the best of `repeats` runs, the
     methods taking turns so that a change in machine load hits every method alike."""
-    runs: dict[str, list[tuple[list[Tree], int, float]]] = {name: [] for name, _ in methods}
+    runs: dict[str, list[tuple[list[Tree], int, float, int]]] = {name: [] for name, _ in methods}
     for r in range(repeats):
         for name, controller in methods:
             runs[name].append(timed_rollout(controller, engine, ctx, tasks, seed + 1000 * r))
     out = []
     for name, controller in methods:
-        trees, forward, _ = runs[name][0]
-        out.append(summarize(name, controller, trees, forward, [w for *_, w in runs[name]]))
+        trees, forward, _, calls = runs[name][0]
+        walls = [wall for _, _, wall, _ in runs[name]]
+        out.append(summarize(name, controller, trees, forward, walls, calls))
     return out
 
 
@@ -198,7 +210,7 @@ def print_table(results: list[Result]) -> None:
         f"{'method':<15}{'traj/prompt':>12}{'forward tok':>12}{'vs stoch':>9}{'decode fwd':>11}"
         f"{'vs stoch':>9}{'sampled':>9}"
         f"{'wall s':>8}{'vs stoch':>9}{'traj/s':>8}{'tok/s':>8}{'answers':>8}{'copies':>7}"
-        f"{'reward':>8}"
+        f"{'reward':>8}{'calls':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -209,6 +221,7 @@ def print_table(results: list[Result]) -> None:
             f"{r.generated:>9d}{r.wall_s:>8.2f}{r.wall_s / base.wall_s:>9.2f}"
             f"{r.trajectories * r.prompts / r.wall_s:>8.1f}"
             f"{r.traj_tokens / r.wall_s:>8.0f}{r.distinct:>8.2f}{r.copies:>7.1f}{r.reward:>8.3f}"
+            f"{r.calls:>7d}"
         )
 
 
@@ -244,7 +257,7 @@ def theorem1_table(
     print("-" * len(head))
     for m, n, iters, t in settings:
         ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, continuation=continuation))  # type: ignore[arg-type]
-        trees, _, _ = timed_rollout(ep, engine, ctx, tasks, seed)
+        trees, *_ = timed_rollout(ep, engine, ctx, tasks, seed)
         firsts = [x for tree in trees for x in first_chains(ep, tree)]
         generated = sum(
             len(nd.action_ids)
