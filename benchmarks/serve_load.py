@@ -3,12 +3,13 @@ concurrent clients, and how many requests failed (a refused or reset connection,
 
     python benchmarks/serve_load.py [--agentree CMD] [--url http://127.0.0.1:PORT/v1]
                                     [--levels 1,8,32,64] [--requests 128] [--max-seconds 60]
-                                    [--max-tokens 8 | --max-tokens 4,8,16,32]
+                                    [--max-tokens 8 | --max-tokens 4,8,16,32] [--policy tiny]
 
-By default it starts `python -m agentree serve --policy tiny --backend transformers` on a free
-port of 127.0.0.1, measures, and stops it (SIGTERM, then SIGKILL after 30 s). `--agentree CMD`
-starts another installation's server (e.g. `/work/venv-base/bin/agentree` for the code before
-the move to FastAPI); `--url` measures a server that is already running on 127.0.0.1. Each
+By default it starts `python -m agentree serve --policy tiny --backend transformers` (or
+`--policy NAME`) on a free port of 127.0.0.1, measures, and stops it (SIGTERM, then SIGKILL
+after 30 s). `--agentree CMD` starts another installation's server (e.g.
+`/work/venv-base/bin/agentree` for the code before the move to FastAPI); `--url` measures a
+server that is already running on 127.0.0.1. Each
 client sends greedy chat requests (`--max-tokens` tokens, one new connection per request, as
 simple clients and the judge do; several comma-separated values are cycled through, request i
 asking for the i-th, as clients that want different lengths do) until `--requests` requests
@@ -41,9 +42,9 @@ MAX_REQUESTS = 2000
 """Most requests one level may send, whatever `--requests` says."""
 
 
-def start_server(cmd: str, port: int, timeout: float) -> subprocess.Popen:
-    """`CMD serve --policy tiny` on 127.0.0.1:`port`, returned once `/v1/models` answers."""
-    argv = [*shlex.split(cmd), "serve", "--policy", "tiny", "--backend", "transformers"]
+def start_server(cmd: str, port: int, timeout: float, policy: str = "tiny") -> subprocess.Popen:
+    """`CMD serve --policy POLICY` on 127.0.0.1:`port`, returned once `/v1/models` answers."""
+    argv = [*shlex.split(cmd), "serve", "--policy", policy, "--backend", "transformers"]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-tokens", default="8", help="completion tokens per request (comma-separated: cycled)"
     )
+    p.add_argument("--policy", default="tiny", help="the policy the started server serves")
     p.add_argument("--start-timeout", type=float, default=300.0, help="server start limit (s)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         url = args.url.rstrip("/")
     else:
         port = free_port()
-        proc = start_server(args.agentree, port, args.start_timeout)
+        proc = start_server(args.agentree, port, args.start_timeout, args.policy)
         url = f"http://127.0.0.1:{port}/v1"
     try:
         level(url, 1, 2, args.max_seconds, max_tokens)  # warm-up, not reported
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": args.url or args.agentree,
         "cpus": os.cpu_count(),
         "load_avg": os.getloadavg(),
+        "policy": args.policy,
         "max_tokens": max_tokens if len(max_tokens) > 1 else max_tokens[0],
     }
     print(f"# {json.dumps(header)}")

@@ -21,6 +21,7 @@ import pytest
 from agentree.distributed.cluster import processes_matching
 from agentree.engines.base import (
     Completion,
+    DoneSink,
     EngineStats,
     Params,
     TokenSink,
@@ -55,6 +56,7 @@ class ScriptedEngine:
         prompts: Sequence[Sequence[int]],
         params: Params,
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         self.calls.append(len(prompts))
         out = []
@@ -65,7 +67,7 @@ class ScriptedEngine:
             self.stats.tokens_generated += len(ids) * sp.n
             self.stats.tokens_prefilled += len(p)
             out.append([Completion(list(ids), [0.0] * len(ids), "stop") for _ in range(sp.n)])
-        report_tokens(out, on_token)
+        report_tokens(out, on_token, on_done)
         return out
 
     def seed(self, seed: int) -> None:

@@ -182,6 +182,36 @@ def test_params_per_prompt_give_each_prompt_its_own_call(hf_engine):
                 assert g.top_logprobs is None
 
 
+def test_on_done_hears_each_completion_as_it_ends(hf_engine):
+    """`on_done(i, completion)` is told each completion once, the one `generate` returns, when
+    it ends: a short row's before the long rows sample their next token."""
+    _, ps = prompts(hf_engine, 2)
+    each = [
+        SamplingParams(max_tokens=2, temperature=0.0, stop_token_ids=()),
+        SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=(), n=2),
+    ]
+    events: list[tuple[str, int]] = []
+    ended: dict[int, object] = {}
+
+    def on_done(i, c):
+        events.append(("done", i))
+        ended[i] = c
+
+    out = hf_engine.generate(
+        ps, each, on_token=lambda i, _t: events.append(("token", i)), on_done=on_done
+    )
+    flat = [c for comps in out for c in comps]
+    assert sorted(ended) == [0, 1, 2] and all(ended[i] is c for i, c in enumerate(flat))
+    for i, c in enumerate(flat):
+        tokens = [k for k, (what, j) in enumerate(events) if what == "token" and j == i]
+        assert len(tokens) == len(c.token_ids)
+        assert events.index(("done", i)) == tokens[-1] + 1  # right after its last token
+    if len(flat[1].token_ids) > 2:  # the long rows decode on after the short one ended
+        assert events.index(("done", 0)) < max(
+            k for k, (what, j) in enumerate(events) if what == "token" and j == 1
+        )
+
+
 def test_params_per_prompt_keep_one_seed_and_one_count(hf_engine):
     _, ps = prompts(hf_engine, 2)
     with pytest.raises(ValueError, match="one seed"):

@@ -231,7 +231,7 @@ class GatedEngine:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, on_token=None):
+    def generate(self, prompts, params, on_token=None, on_done=None):
         def heard(i: int, t: int) -> bool | None:
             self.heard += 1
             gone = on_token(i, t)
@@ -239,7 +239,7 @@ class GatedEngine:
                 self.release.wait(30)
             return gone
 
-        self.out = self.engine.generate(prompts, params, heard if on_token else None)
+        self.out = self.engine.generate(prompts, params, heard if on_token else None, on_done)
         self.done = True
         return self.out
 
@@ -321,12 +321,12 @@ def test_a_request_abandoned_while_queued_never_reaches_the_engine(server) -> No
     class Gated:  # the real engine, each call held at the door
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None):
+        def generate(self, prompts, params, on_token=None, on_done=None):
             k = len(calls)
             calls.append(len(prompts))
             entered[k].set()
             gates[k].wait(30)
-            return engine.generate(prompts, params, on_token)
+            return engine.generate(prompts, params, on_token, on_done)
 
     batcher = Batcher(Gated())  # type: ignore[arg-type]
     tok = server.api.tokenizer
@@ -425,11 +425,11 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     class Gated:  # the real engine, held at the door until the queue has filled up
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None):
+        def generate(self, prompts, params, on_token=None, on_done=None):
             calls.append(len(prompts))
             entered.set()
             gate.wait(30)
-            return engine.generate(prompts, params, on_token)
+            return engine.generate(prompts, params, on_token, on_done)
 
     batcher = Batcher(Gated())  # type: ignore[arg-type]
     tok = server.api.tokenizer
@@ -471,11 +471,11 @@ def test_requests_with_other_params_share_one_engine_call(server) -> None:
     class Gated:  # the real engine, held at the door until the queue has filled up
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None):
+        def generate(self, prompts, params, on_token=None, on_done=None):
             calls.append((len(prompts), not isinstance(params, SamplingParams)))
             entered.set()
             gate.wait(30)
-            return engine.generate(prompts, params, on_token)
+            return engine.generate(prompts, params, on_token, on_done)
 
     batcher = Batcher(Gated())  # type: ignore[arg-type]
     tok = server.api.tokenizer
@@ -509,6 +509,42 @@ def test_requests_with_other_params_share_one_engine_call(server) -> None:
     assert len(sampled[0].token_ids) <= 5 and len(sampled[0].top_logprobs[0]) == 2
     alone = engine.generate([prompts[4]], asked[4])[0]
     assert [c.token_ids for c in seeded] == [c.token_ids for c in alone]
+
+
+def test_a_request_is_answered_when_its_own_completions_end(server) -> None:
+    """In a merged call a short request is answered as soon as its completion ends, while the
+    long one it shares the call with decodes on."""
+    engine = server.api.engine
+    gate, entered = threading.Event(), threading.Event()
+    seen: list[tuple[int, bool]] = []  # (completion index, short answered yet) at each token
+
+    class Watched:  # the real engine; the first call held at the door
+        max_model_len = engine.max_model_len
+
+        def generate(self, prompts, params, on_token=None, on_done=None):
+            entered.set()
+            gate.wait(30)
+
+            def heard(i, t):
+                seen.append((i, short.done()))
+                return on_token(i, t)
+
+            return engine.generate(prompts, params, heard, on_done)
+
+    batcher = Batcher(Watched())  # type: ignore[arg-type]
+    tok = server.api.tokenizer
+    first = batcher.submit([tok.encode("_ P")], SamplingParams(max_tokens=1))
+    assert entered.wait(30)
+    short = batcher.submit([tok.encode("_ 1 P")], SamplingParams(max_tokens=2, temperature=0.0))
+    long = batcher.submit([tok.encode("_ 2 P")], SamplingParams(max_tokens=12, temperature=0.0))
+    wait_for(lambda: batcher._queue.qsize() == 2)
+    gate.set()
+    first.result(), long.result()
+    batcher.close()
+    assert batcher.calls == 2
+    later = [answered for i, answered in seen[3:] if i == 1]  # the long one's, after token 2
+    if len(long.result()[0][0].token_ids) > 3:
+        assert later and all(later)
 
 
 def test_add_serve_command_registers_the_subcommand() -> None:

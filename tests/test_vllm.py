@@ -176,11 +176,12 @@ def test_seeds_repeat_and_equal_prompts_differ(trainer, engine) -> None:
         engine.sync_weights(trainer.model)
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-def test_params_per_prompt_give_each_prompt_its_own_call(trainer, engine, streamed) -> None:
+@pytest.mark.parametrize("hooks", ["none", "both", "on_done"])
+def test_params_per_prompt_give_each_prompt_its_own_call(trainer, engine, hooks) -> None:
     """One call with params of its own for each prompt (limits, `n`, temperatures, log-prob
-    counts, entropy), through `LLM.generate` or the streaming loop: greedy prompts answered
-    as their own calls answer them, a sampled one with log-probs at its own temperature."""
+    counts, entropy), through `LLM.generate` or the streaming loop (either hook): greedy
+    prompts answered as their own calls answer them, a sampled one with log-probs at its own
+    temperature; `on_done` told each completion, the one returned, once."""
     tok = engine.tokenizer
     prompt = prompt_ids(tok)
     other = tok.encode("<|im_start|>user\nG__P\nWhich way?<|im_end|>\n<|im_start|>assistant\n")
@@ -191,13 +192,23 @@ def test_params_per_prompt_give_each_prompt_its_own_call(trainer, engine, stream
     ]
     order = [prompt, other, prompt]
     heard: list[int] = []
-    hook = (lambda i, _t: heard.append(i)) if streamed else None
-    merged = engine.generate(order, each, hook)
+    ended: list[tuple[int, object]] = []
+    merged = engine.generate(
+        order,
+        each,
+        (lambda i, _t: heard.append(i)) if hooks == "both" else None,
+        (lambda i, c: ended.append((i, c))) if hooks != "none" else None,
+    )
     assert [len(c) for c in merged] == [1, 2, 1]
     assert (len(merged[0][0].token_ids), merged[0][0].finish_reason) == (1, "length")
     assert len(merged[2][0].token_ids) > 1  # the same prompt, its own limit
-    if streamed:
+    if hooks == "both":
         assert sorted(set(heard)) == [0, 1, 2, 3]  # completions counted prompt by prompt
+    if hooks != "none":
+        flat = [c for comps in merged for c in comps]
+        assert sorted(i for i, _ in ended) == [0, 1, 2, 3]
+        assert all(c is flat[i] for i, c in ended)
+        assert ended[0][0] == 0  # the one-token completion ends first
     for p, sp, got in zip(order, each, merged, strict=True):
         for c in got:
             lp = teacher_forced(trainer.model, p, c.token_ids, sp.temperature)

@@ -190,7 +190,7 @@ class Batcher:
         self.engine = engine
         self.max_batch = max_batch
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._gone: set[Future] = set()  # running requests abandoned, until their call ends
+        self._gone: set[Future] = set()  # running requests abandoned, until answered
         self._lock = threading.RLock()  # a request is answered, or abandoned, not both
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
@@ -255,11 +255,14 @@ class Batcher:
                 return
 
     def _call(self, group: list[_Job]) -> None:
+        """One engine call for `group`; each request is answered as soon as its own
+        completions have ended, the rest of the call decoding on."""
         prompts = [p for j in group for p in j.prompts]
         each = [j.params for j in group for _ in j.prompts]
         params = each[0] if len(set(each)) == 1 else each
         # completion index of the merged call -> (its job, its index in that job)
         owners = [(j, i) for j in group for i in range(len(j.prompts) * j.params.n)]
+        ended: dict[int, dict[int, Completion]] = {id(j): {} for j in group}
 
         def heard(index: int, token: SampledToken) -> bool:
             job, i = owners[index]
@@ -267,21 +270,37 @@ class Batcher:
                 job.on_token(i, token)
             return job.future in self._gone
 
+        def done(index: int, completion: Completion) -> None:
+            job, i = owners[index]
+            got = ended[id(job)]
+            got[i] = completion
+            n = job.params.n
+            if len(got) == len(job.prompts) * n:  # the request's last completion
+                answer = [[got[p * n + k] for k in range(n)] for p in range(len(job.prompts))]
+                self._answer(job, answer)
+
         answer: list[list[Completion]] | Exception
         try:
             self.calls += 1
-            answer = self.engine.generate(prompts, params, on_token=heard)
+            answer = self.engine.generate(prompts, params, on_token=heard, on_done=done)
         except Exception as e:
             answer = e
+        k = 0
+        for j in group:  # the requests not answered yet: an error, or an engine that did not
+            # tell each completion's end
+            mine = answer if isinstance(answer, Exception) else answer[k : k + len(j.prompts)]
+            self._answer(j, mine)
+            k += len(j.prompts)
+
+    def _answer(self, job: _Job, answer: list[list[Completion]] | Exception) -> None:
         with self._lock:
-            self._gone.difference_update(j.future for j in group)
-            k = 0
-            for j in group:
-                if isinstance(answer, Exception):
-                    j.future.set_exception(answer)
-                else:
-                    j.future.set_result(answer[k : k + len(j.prompts)])
-                    k += len(j.prompts)
+            self._gone.discard(job.future)
+            if job.future.done():
+                return  # answered already
+            if isinstance(answer, Exception):
+                job.future.set_exception(answer)
+            else:
+                job.future.set_result(answer)
 
     def close(self) -> None:
         self._queue.put(None)

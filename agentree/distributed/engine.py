@@ -24,6 +24,7 @@ import ray
 from agentree.config import validate_config
 from agentree.engines.base import (
     Completion,
+    DoneSink,
     EngineStats,
     Params,
     SamplingParams,
@@ -192,6 +193,7 @@ class RemoteEngine:
         prompts: Sequence[Sequence[int]],
         params: Params,
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         each = per_prompt(prompts, params)
         out: list[list[Completion] | None] = [None] * len(prompts)
@@ -226,7 +228,7 @@ class RemoteEngine:
                 self.stats.tokens_forward += delta["tokens_forward"]
         self.stats.calls += 1
         results = [c for c in out if c is not None]
-        report_tokens(results, on_token)  # replicas answer whole batches
+        report_tokens(results, on_token, on_done)  # replicas answer whole batches
         return results
 
     def revive(self, version: int, timeout: float = 5.0) -> None:

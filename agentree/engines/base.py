@@ -136,17 +136,28 @@ that samples step by step ends it there, with finish reason `abort`; one that re
 batches at the end has nothing left to save."""
 
 
-def report_tokens(results: list[list[Completion]], on_token: TokenSink | None) -> None:
-    """Every token of finished `results` to `on_token`, completion by completion: how an
-    engine that returns whole batches (the Ray replica router) keeps the hook."""
-    if on_token is None:
-        return
+DoneSink = Callable[[int, Completion], None]
+"""`on_done(completion index, completion)`: a completion has ended, while the rest of its call
+may still be decoding (so a caller can answer it before the call returns)."""
+
+
+def report_tokens(
+    results: list[list[Completion]],
+    on_token: TokenSink | None,
+    on_done: DoneSink | None = None,
+) -> None:
+    """Every token of finished `results` to `on_token`, and every completion to `on_done`,
+    completion by completion: how an engine that returns whole batches (the Ray replica
+    router) keeps the hooks."""
     i = 0
     for comps in results:
         for c in comps:
-            for k, t in enumerate(c.token_ids):
-                top = c.top_logprobs[k] if c.top_logprobs else None
-                on_token(i, SampledToken(t, c.logprobs[k], top))
+            if on_token is not None:
+                for k, t in enumerate(c.token_ids):
+                    top = c.top_logprobs[k] if c.top_logprobs else None
+                    on_token(i, SampledToken(t, c.logprobs[k], top))
+            if on_done is not None:
+                on_done(i, c)
             i += 1
 
 
@@ -166,13 +177,15 @@ class Engine(Protocol):
         prompts: Sequence[Sequence[int]],
         params: Params,
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         """One list of `n` completions per prompt, `params` one for all prompts or one each
         (`per_prompt`). `on_token(i, token)` hears each token (`SampledToken`) as it is
         sampled, `i` counting completions prompt by prompt (with one `params`, `i // params.n`
-        is the prompt): the transformers and vLLM engines call it as each token is sampled
-        and end a completion whose `on_token` returns true; engines that finish whole batches
-        elsewhere call it once per token at the end (`report_tokens`)."""
+        is the prompt), and `on_done(i, completion)` each completion as it ends: the
+        transformers and vLLM engines call them as each token is sampled and each completion
+        ends, and end a completion whose `on_token` returns true; engines that finish whole
+        batches elsewhere call them at the end (`report_tokens`)."""
         ...
 
     def open_session(

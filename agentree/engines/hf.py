@@ -12,7 +12,7 @@ holes; explicit position ids keep the maths identical to an unpadded forward.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from agentree.engines.base import (
     Completion,
+    DoneSink,
     EngineStats,
     Params,
     SampledToken,
@@ -323,6 +324,7 @@ class HFEngine:
         prompts: Sequence[Sequence[int]],
         params: Params,
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -334,7 +336,7 @@ class HFEngine:
         # drawn with its own params: `rows[u]` holds the params of unique prompt u's rows.
         unique: dict[tuple[int, ...], int] = {}
         rows: list[list[SamplingParams]] = []
-        # for `on_token`: where each unique prompt's samples land in the output, its
+        # for the hooks: where each unique prompt's samples land in the output, its
         # occurrences in prompt order, `n` samples each
         places: list[list[int]] = []
         first = 0  # completion index of this prompt's first sample
@@ -361,11 +363,13 @@ class HFEngine:
                 ):
                     width += len(rows[stop])
                     stop += 1
-                sink = None
-                if on_token is not None:
-                    index = [i for u in range(start, stop) for i in places[u]]
-                    sink = _relabel(on_token, index)
-                results += self._generate_unique(keys[start:stop], rows[start:stop], sink)
+                index = [i for u in range(start, stop) for i in places[u]]
+                results += self._generate_unique(
+                    keys[start:stop],
+                    rows[start:stop],
+                    on_token and _relabel(on_token, index),
+                    on_done and _relabel(on_done, index),
+                )
                 start = stop
         finally:
             self.model.train(was_training)
@@ -382,11 +386,13 @@ class HFEngine:
         prompts: list[list[int]],
         rows: list[list[SamplingParams]],
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         """`len(rows[i])` completions for each distinct prompt `prompts[i]`, drawn with the
-        params in `rows[i]`; `on_token` hears each row's tokens by row (the rows are the
-        prompts' completions in order). Rows whose sampling agrees (temperature, top-p,
-        top-k, log-probs, entropy) sample together; each row keeps its own limit and stops."""
+        params in `rows[i]`; `on_token` hears each row's tokens and `on_done` its completion
+        as it ends, by row (the rows are the prompts' completions in order). Rows whose
+        sampling agrees (temperature, top-p, top-k, log-probs, entropy) sample together; each
+        row keeps its own limit and stops."""
         longest = max(len(p) for p in prompts)
         if longest >= self._max_len:
             raise ValueError(
@@ -413,6 +419,19 @@ class HFEngine:
         ents: list[list[float]] = [[] for _ in range(n)]
         tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
         finish = ["length"] * n
+        done: list[Completion | None] = [None] * n
+
+        def end(slot: int) -> None:
+            done[slot] = Completion(
+                token_ids=toks[slot],
+                logprobs=lps[slot],
+                finish_reason=finish[slot],  # type: ignore[arg-type]
+                top_logprobs=tops[slot] if params[slot].logprobs else None,
+                entropies=ents[slot] if params[slot].entropy else None,
+            )
+            if on_done is not None:
+                on_done(slot, done[slot])
+
         for step in range(max(limit)):
             sampled = self._sample([params[slot] for slot in live], batch.logits)
             keep: list[int] = []
@@ -434,6 +453,7 @@ class HFEngine:
                         finish[slot], ended = "abort", True
                 if ended or last:
                     batch.store(r)
+                    end(slot)
                 else:
                     keep.append(r)
             self.stats.tokens_generated += len(live)
@@ -444,16 +464,9 @@ class HFEngine:
                 live = [live[r] for r in keep]
             batch.append([toks[slot][-1] for slot in live])
         grouped: list[list[Completion]] = [[] for _ in prompts]
-        for i in range(n):
-            grouped[owner[i]].append(
-                Completion(
-                    token_ids=toks[i],
-                    logprobs=lps[i],
-                    finish_reason=finish[i],  # type: ignore[arg-type]
-                    top_logprobs=tops[i] if params[i].logprobs else None,
-                    entropies=ents[i] if params[i].entropy else None,
-                )
-            )
+        for i, c in enumerate(done):
+            assert c is not None  # every row ends by its limit
+            grouped[owner[i]].append(c)
         return grouped
 
     def _sample(
@@ -505,9 +518,9 @@ class HFEngine:
         self.prefix_cache.clear()
 
 
-def _relabel(on_token: TokenSink, index: list[int]) -> TokenSink:
-    """`on_token` hearing row `r` as completion `index[r]` (and answering for it)."""
-    return lambda r, t: on_token(index[r], t)
+def _relabel(hook: Callable[[int, Any], Any], index: list[int]) -> Callable[[int, Any], Any]:
+    """`hook` hearing row `r` as completion `index[r]` (and answering for it)."""
+    return lambda r, x: hook(index[r], x)
 
 
 class _StopText:

@@ -38,11 +38,12 @@ the transformers engine's KV-forking session, and costly for large vocabularies 
 log-probs back as Python lists). `session_topk=K` returns only the top K per step (the rest at
 -inf): fast, but then the samplers draw from the top-K truncated, renormalised distribution.
 
-Streaming. With `on_token` (what `agentree serve` passes), `generate` adds the requests to the
-engine and runs its step loop itself (`LLMEngine.add_request` / `step` / `abort_request`, the
-loop `LLM.generate` runs), telling each token as the step that sampled it returns, and aborting
-a request whose listener has gone. Without it (rollouts, evaluation) `LLM.generate` runs the
-batch and only each request's final output comes back.
+Streaming. With `on_token` or `on_done` (what `agentree serve` passes), `generate` adds the
+requests to the engine and runs its step loop itself (`LLMEngine.add_request` / `step` /
+`abort_request`, the loop `LLM.generate` runs), telling each token as the step that sampled it
+returns and each completion as it ends, and aborting a request whose listener has gone.
+Without them (rollouts, evaluation) `LLM.generate` runs the batch and only each request's final
+output comes back.
 
 Processes. By default vLLM runs its engine core (and on CPU a worker) in child processes;
 `close()` shuts them down, and a watchdog thread in the worker ends them if this process dies
@@ -74,6 +75,7 @@ from transformers import AutoTokenizer
 
 from agentree.engines.base import (
     Completion,
+    DoneSink,
     EngineStats,
     LoraAdapter,
     Params,
@@ -170,6 +172,7 @@ class VLLMEngine:
         prompts: Sequence[Sequence[int]],
         params: Params,
         on_token: TokenSink | None = None,
+        on_done: DoneSink | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -195,14 +198,14 @@ class VLLMEngine:
                 inputs.append(list(p))
                 sps.append(self._sampling(ps, min(ps.max_tokens, room), k, rng))
                 asked.append(ps)
-        if on_token is None:
-            outs, kept = self._run(inputs, sps), [None] * len(inputs)
+        if on_token is None and on_done is None:
+            outs = self._run(inputs, sps)
+            comps = [
+                self._completion(prompt, out, ps)
+                for prompt, out, ps in zip(inputs, outs, asked, strict=True)
+            ]
         else:
-            outs, kept = self._stream(inputs, sps, asked, on_token)
-        comps = [
-            self._completion(prompt, out, ps, k)
-            for prompt, out, ps, k in zip(inputs, outs, asked, kept, strict=True)
-        ]
+            comps = self._stream(inputs, sps, asked, on_token, on_done)
         results: list[list[Completion]] = []
         for ps in each:
             results.append(comps[: ps.n])
@@ -339,12 +342,13 @@ class VLLMEngine:
         inputs: list[list[int]],
         sps: list[Any],
         asked: list[SamplingParams],
-        on_token: TokenSink,
-    ) -> tuple[list[Any], list[int | None]]:
+        on_token: TokenSink | None,
+        on_done: DoneSink | None,
+    ) -> list[Completion]:
         """`_run` through the engine's own loop (`LLMEngine.add_request` / `step` /
         `abort_request`, what `LLM.generate` runs), telling `on_token` the tokens each step
-        adds; a request whose `on_token` answers true is aborted there. Each request's last
-        output, and for an aborted one how many of its tokens it keeps."""
+        adds and `on_done` each request's completion as it ends; a request whose `on_token`
+        answers true is aborted there. Each request's completion."""
         # deferred: vllm is the optional [vllm] extra
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -352,7 +356,7 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         names: list[str] = []
         last: list[Any] = [None] * len(inputs)
-        kept: list[int | None] = [None] * len(inputs)
+        comps: list[Completion | None] = [None] * len(inputs)
         try:
             for prompt, sp in zip(inputs, sps, strict=True):
                 # every step's tokens so far: vLLM's output processor hands its own growing
@@ -367,25 +371,28 @@ class VLLMEngine:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     i = row[out.request_id]
+                    if comps[i] is not None:
+                        continue  # aborted at its listener's word: ended already
                     last[i], c = out, out.outputs[0]
-                    for k in range(heard[i], len(c.token_ids)):
+                    kept = None
+                    for k in range(heard[i], len(c.token_ids) if on_token else 0):
                         logprob, top, _ = self._position(c.logprobs, k, c.token_ids[k], asked[i])
                         gone = on_token(i, SampledToken(c.token_ids[k], logprob, top))
                         if gone and not (out.finished and k == len(c.token_ids) - 1):
                             engine.abort_request([out.request_id])
-                            kept[i] = k + 1
+                            kept = k + 1
                             break
                     heard[i] = len(c.token_ids)
+                    if out.finished or kept is not None:
+                        comps[i] = self._completion(inputs[i], out, asked[i], kept)
+                        if on_done is not None:
+                            on_done(i, comps[i])
         finally:  # an error or an interrupt leaves no request of this call in the engine
-            running = [
-                name
-                for i, name in enumerate(names)
-                if kept[i] is None and (last[i] is None or not last[i].finished)
-            ]
+            running = [name for i, name in enumerate(names) if comps[i] is None]
             if running:
                 engine.abort_request(running)
         self._count_prompts(inputs, last)
-        return last, kept
+        return comps  # type: ignore[return-value]  # every request ended
 
     def _count_prompts(self, inputs: list[list[int]], outs: list[Any]) -> None:
         self.stats.extra["requests"] += len(outs)

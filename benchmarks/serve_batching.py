@@ -1,0 +1,103 @@
+"""How `agentree serve`'s batcher answers requests that wait together with different limits:
+eight greedy chat requests (`--max-tokens` cycled, each value twice by default) are queued at
+once on one `Batcher` over the transformers engine, and the benchmark reports the engine calls
+made, the time until every request was answered and each request's latency.
+
+    python benchmarks/serve_batching.py [--policy smollm2-135m] [--max-tokens 16,32,64,128]
+                                        [--requests 8] [--repeats 2]
+
+The prompts ask for long stories, so that each request runs to its own `max_tokens` (the
+table prints the lengths). Requests are submitted to the batcher directly (no HTTP), so the
+figure is the batching alone. Run it on a quiet machine; compare two checkouts by running the
+same script with `PYTHONPATH=OTHER_CHECKOUT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from agentree.commands.serve_api import Batcher
+from agentree.engines.base import SamplingParams
+from agentree.engines.hf import HFEngine
+from agentree.hub.pretrained import local_policy
+from agentree.signals import interrupt_on_sigterm
+
+
+def one_round(engine: HFEngine, prompts: list[list[int]], limits: list[int]) -> dict:
+    """Every request queued at once; (wall seconds, calls, latencies, lengths)."""
+    batcher = Batcher(engine)
+    try:
+        t0 = time.perf_counter()
+        took: dict[int, float] = {}
+        futures = []
+        for i, (p, m) in enumerate(zip(prompts, limits, strict=True)):
+            f = batcher.submit([p], SamplingParams(max_tokens=m, temperature=0.0))
+            f.add_done_callback(lambda _f, i=i: took.setdefault(i, time.perf_counter() - t0))
+            futures.append(f)
+        lengths = [len(f.result()[0][0].token_ids) for f in futures]
+        wall = time.perf_counter() - t0
+    finally:
+        batcher.close()
+        engine.prefix_cache.clear()
+    latency = [took[i] for i in range(len(prompts))]
+    return {
+        "wall_s": wall,
+        "calls": batcher.calls,
+        "mean_latency_s": sum(latency) / len(latency),
+        "latency_s": latency,
+        "lengths": lengths,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", default="smollm2-135m", help="a named checkpoint or a path")
+    ap.add_argument("--max-tokens", default="16,32,64,128", help="limits, cycled over requests")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="timed rounds after a warm-up")
+    ap.add_argument("--json", help="also write the rounds to this file")
+    args = ap.parse_args()
+    limits = [int(x) for x in args.max_tokens.split(",")]
+    limits = [limits[i % len(limits)] for i in range(args.requests)]
+    engine = HFEngine.from_pretrained(local_policy(args.policy), seed=0)
+    try:
+        tok = engine.tokenizer
+        prompts = [
+            tok.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": f"Write a long story number {i} about a frozen lake.",
+                    }
+                ],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            for i in range(args.requests)
+        ]
+        one_round(engine, prompts, limits)  # warm-up, not reported
+        rounds = [one_round(engine, prompts, limits) for _ in range(args.repeats)]
+    finally:
+        engine.close()
+    print(
+        f"# policy {args.policy}, {args.requests} requests, max_tokens {limits}, load "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    print("| round | engine calls | all answered (s) | mean latency (s) | latency by request (s) |")
+    print("|---:|---:|---:|---:|---|")
+    for k, r in enumerate(rounds):
+        each = " ".join(f"{x:.1f}" for x in r["latency_s"])
+        print(f"| {k} | {r['calls']} | {r['wall_s']:.2f} | {r['mean_latency_s']:.2f} | {each} |")
+    print(f"lengths: {rounds[0]['lengths']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"policy": args.policy, "max_tokens": limits, "rounds": rounds}, f)
+
+
+if __name__ == "__main__":
+    with interrupt_on_sigterm():
+        main()
