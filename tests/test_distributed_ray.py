@@ -26,6 +26,7 @@ from swe_support import local_records_fixture  # noqa: E402, F401
 from agentree.config import load_config  # noqa: E402
 from agentree.distributed.cluster import LocalCluster, processes_matching  # noqa: E402
 from agentree.distributed.engine import RemoteEngine, block_hashes  # noqa: E402
+from agentree.engines.base import SamplingParams  # noqa: E402
 from agentree.learner.launch import free_port  # noqa: E402
 from agentree.learner.update import PolicyUpdate  # noqa: E402
 from agentree.run.runtime import Runtime  # noqa: E402
@@ -563,6 +564,41 @@ def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake)
         assert ray.get(frt.rollouts.replicas[0].checksum.remote()) == pytest.approx(want)
         _trees, stats = frt.rollouts.rollout(tasks[:4])
         assert stats.env_errors == 0 and stats.extra["distributed/engine_failovers"] == 0
+    finally:
+        frt.close()
+
+
+def test_replica_router_with_params_per_prompt_answers_as_in_process(cluster, tiny_frozenlake):
+    """A call with params of its own for each prompt, split by the router across two engine
+    replicas, answers each prompt as the in-process engine over the same weights does (greedy:
+    the same tokens and finish reasons), and tells each completion's end to `on_done`."""
+    overrides = [
+        *SMALL,
+        *ray_overrides(cluster.address),
+        "distributed.rollout_workers=1",
+        "distributed.engine_replicas=2",
+        "distributed.worker_cpus=0.5",
+        "distributed.engine_cpus=0.5",
+    ]
+    frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
+    try:
+        tok = frt.tokenizer
+        replicas = frt.rollouts.replicas
+        remote = RemoteEngine(replicas, tok, ray.get(replicas[0].info.remote()))
+        prompts = [tok.encode(f"{i} P _ _ G") for i in range(6)]  # no shared prefix
+        each = [
+            SamplingParams(max_tokens=2 + i, temperature=0.0, n=1 + i % 2, stop_token_ids=())
+            for i in range(6)
+        ]
+        ended: list[int] = []
+        got = remote.generate(prompts, each, on_done=lambda i, _c: ended.append(i))
+        want = frt.engine.generate(prompts, each)
+        assert sum(r > 0 for r in remote.routed) == 2  # both replicas answered
+        assert [[(c.token_ids, c.finish_reason) for c in comps] for comps in got] == [
+            [(c.token_ids, c.finish_reason) for c in comps] for comps in want
+        ]
+        assert [len(c) for c in got] == [1, 2, 1, 2, 1, 2]
+        assert sorted(ended) == list(range(9))
     finally:
         frt.close()
 
