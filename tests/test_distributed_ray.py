@@ -525,18 +525,24 @@ def test_hung_worker_is_bounded_by_the_timeout(cluster):
         stall_rt.close()
 
 
-def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake):
-    """With two engine replicas, one killed: its requests go to the other replica (no tree is
-    lost), the restarted replica is not asked to sample until it holds the trainer's weights,
-    and after the next weight sync both serve again."""
-    overrides = [
+def two_replicas(address: str) -> list[str]:
+    """A small run on the cluster at `address` with one rollout worker and two engine
+    replicas."""
+    return [
         *SMALL,
-        *ray_overrides(cluster.address),
+        *ray_overrides(address),
         "distributed.rollout_workers=1",
         "distributed.engine_replicas=2",
         "distributed.worker_cpus=0.5",
         "distributed.engine_cpus=0.5",
     ]
+
+
+def test_killed_engine_replica_fails_over_to_the_other(cluster, tiny_frozenlake):
+    """With two engine replicas, one killed: its requests go to the other replica (no tree is
+    lost), the restarted replica is not asked to sample until it holds the trainer's weights,
+    and after the next weight sync both serve again."""
+    overrides = two_replicas(cluster.address)
     frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
     try:
         tasks = frt.load_tasks(8)
@@ -572,14 +578,7 @@ def test_replica_router_with_params_per_prompt_answers_as_in_process(cluster, ti
     """A call with params of its own for each prompt, split by the router across two engine
     replicas, answers each prompt as the in-process engine over the same weights does (greedy:
     the same tokens and finish reasons), and tells each completion's end to `on_done`."""
-    overrides = [
-        *SMALL,
-        *ray_overrides(cluster.address),
-        "distributed.rollout_workers=1",
-        "distributed.engine_replicas=2",
-        "distributed.worker_cpus=0.5",
-        "distributed.engine_cpus=0.5",
-    ]
+    overrides = two_replicas(cluster.address)
     frt = Runtime(load_config("frozenlake_patr", overrides=overrides), log=lambda _m: None)
     try:
         tok = frt.tokenizer
