@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -453,7 +454,7 @@ from agentree.engines.base import SamplingParams
 from agentree.engines.vllm import VLLMEngine
 if __name__ == "__main__":
     engine = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=float(sys.argv[2]))
-    print("CLIENT-READY", flush=True)
+    print("CLIENT-READY", engine.llm._agentree_sockets, flush=True)
     while True:
         engine.generate([[5, 6, 7] * 20], SamplingParams(max_tokens=64, n=8))
 """
@@ -462,7 +463,8 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
 def test_a_dead_client_leaves_no_engine_process(tiny_frozenlake, tmp_path, how) -> None:
-    """SIGKILL (no finalisers run) or Ctrl-C (SIGINT to the process group) mid-generation."""
+    """SIGKILL (no finalisers run) or Ctrl-C (SIGINT to the process group) mid-generation:
+    no engine process is left, nor the engine's sockets."""
     import signal
     import subprocess
     import sys
@@ -500,6 +502,9 @@ def test_a_dead_client_leaves_no_engine_process(tiny_frozenlake, tmp_path, how) 
                 break
             time.sleep(0.5)
         assert not alive, [p.name() for p in alive]
+        # the engine's sockets went with it (its watchdog removes their directory)
+        sockets = Path(log.read_text().split("CLIENT-READY", 1)[1].split()[0])
+        assert sockets.name.startswith("agentree-vllm-ipc-") and not sockets.exists()
     finally:  # whatever happened, leave nothing behind
         proc.kill()
         for p in engine:
@@ -515,9 +520,13 @@ def _root_cause(log: str) -> str:
 
 
 def test_close_leaves_no_engine_process(trainer, engine) -> None:
+    """Nor a socket: vLLM's IPC sockets sit in the engine's own directory, removed on close."""
     assert _engine_pids()  # the engine core runs in a child process
+    sockets = Path(engine.llm._agentree_sockets)
+    assert any(p.is_socket() for p in sockets.iterdir())
     trainer.rt.close()
     assert _engine_pids() == set()
+    assert not sockets.exists()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     trainer.rt.close()  # idempotent

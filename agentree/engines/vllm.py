@@ -46,13 +46,15 @@ Without them (rollouts, evaluation) `LLM.generate` runs the batch and only each 
 output comes back.
 
 Processes. By default vLLM runs its engine core (and on CPU a worker) in child processes;
-`close()` shuts them down, and a watchdog thread in the worker ends them if this process dies
-without closing (killed, or a crash that skips finalisers). `in_process=True` keeps everything in
+`close()` shuts them down and removes their IPC sockets' directory, and a watchdog thread in
+the worker ends them if this process dies without closing (killed, or a crash that skips
+finalisers). `in_process=True` keeps everything in
 this process (zero-copy weight sync when the trainer shares the GPU).
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import multiprocessing
@@ -513,6 +515,17 @@ class VLLMSession:
         self._lp = None
 
 
+SOCKETS_PREFIX = "agentree-vllm-ipc-"
+"""The directories `start_llm` gives an engine's IPC sockets (`VLLM_RPC_BASE_PATH`)."""
+_SOCKET_DIRS: set[str] = set()  # of the engines not stopped yet: removed at exit (Ctrl-C)
+
+
+@atexit.register
+def _remove_socket_dirs() -> None:
+    for d in list(_SOCKET_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def start_llm(
     path: str,
     *,
@@ -543,8 +556,17 @@ def start_llm(
         # only, so smaller blocks (its kernels want multiples of 32) share more of a tree.
         args["block_size"] = 32
     args.update(kwargs)
-    with _vllm_env(in_process), _keep_rng_state():
-        llm = LLM(path, **args)
+    # the engine's IPC sockets go into a directory of its own, which `stop_llm` removes
+    # (vLLM names them `VLLM_RPC_BASE_PATH/<uuid>` and leaves them behind)
+    sockets = tempfile.mkdtemp(prefix=SOCKETS_PREFIX)
+    try:
+        with _vllm_env(in_process, sockets), _keep_rng_state():
+            llm = LLM(path, **args)
+    except BaseException:
+        shutil.rmtree(sockets, ignore_errors=True)
+        raise
+    llm._agentree_sockets = sockets
+    _SOCKET_DIRS.add(sockets)
     if not is_in_process(llm):
         llm.collective_rpc("agentree_watch_client", args=(os.getpid(),))
     return llm
@@ -570,10 +592,15 @@ def is_in_process(llm: Any) -> bool:
 
 
 def stop_llm(llm: Any) -> None:
-    """Shut an engine from `start_llm` down and wait for its processes to end."""
+    """Shut an engine from `start_llm` down, wait for its processes to end and remove its
+    sockets."""
     in_process = is_in_process(llm)
     llm.llm_engine.engine_core.shutdown()
     _reap_children()
+    sockets = getattr(llm, "_agentree_sockets", None)
+    if sockets:
+        shutil.rmtree(sockets, ignore_errors=True)
+        _SOCKET_DIRS.discard(sockets)
     if in_process:
         # the in-process worker set up torch.distributed; a later engine needs it gone
         # deferred: vllm is the optional [vllm] extra
@@ -634,7 +661,8 @@ class WorkerExtension:
         return len(weights)
 
     def agentree_watch_client(self, client_pid: int) -> bool:
-        """End the engine if the client process dies without shutting it down."""
+        """End the engine, and remove its sockets, if the client process dies without shutting
+        it down."""
         me = os.getpid()
         if client_pid == me:
             return False
@@ -643,9 +671,13 @@ class WorkerExtension:
         # core's child; either way stopping the core stops every engine process.
         core = me if parent == client_pid else parent
 
+        sockets = os.environ.get("VLLM_RPC_BASE_PATH", "")  # `start_llm`'s, if it is ours
+
         def watch() -> None:
             while _alive(client_pid):
                 time.sleep(1.0)
+            if Path(sockets).name.startswith(SOCKETS_PREFIX):
+                shutil.rmtree(sockets, ignore_errors=True)
             os.kill(core, signal.SIGTERM)
             time.sleep(15.0)
             os._exit(1)  # the core's orderly shutdown should have ended us by now
@@ -679,20 +711,22 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _vllm_env(in_process: bool | None) -> Iterator[None]:
-    """Select vLLM's process layout for the engine being built, then restore the environment."""
-    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    old = os.environ.get(key)
+def _vllm_env(in_process: bool | None, sockets: str) -> Iterator[None]:
+    """Select vLLM's process layout and its sockets' directory for the engine being built,
+    then restore the environment."""
+    want = {"VLLM_RPC_BASE_PATH": sockets}
     if in_process is not None:
-        os.environ[key] = "0" if in_process else "1"
+        want["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    old = {key: os.environ.get(key) for key in want}
+    os.environ.update(want)
     try:
         yield
     finally:
-        if in_process is not None:
-            if old is None:
+        for key, value in old.items():
+            if value is None:
                 os.environ.pop(key, None)
             else:
-                os.environ[key] = old
+                os.environ[key] = value
 
 
 @contextmanager
