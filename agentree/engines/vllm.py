@@ -48,8 +48,8 @@ output comes back.
 Processes. By default vLLM runs its engine core (and on CPU a worker) in child processes;
 `close()` shuts them down and removes their IPC sockets' directory, and a watchdog thread in
 the worker ends them if this process dies without closing (killed, or a crash that skips
-finalisers). `in_process=True` keeps everything in
-this process (zero-copy weight sync when the trainer shares the GPU).
+finalisers). `in_process=True` keeps everything in this process (zero-copy weight sync when the
+trainer shares the GPU).
 """
 
 from __future__ import annotations
