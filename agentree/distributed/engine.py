@@ -27,7 +27,6 @@ from agentree.engines.base import (
     DoneSink,
     EngineStats,
     Params,
-    SamplingParams,
     TokenSink,
     per_prompt,
     report_tokens,
@@ -205,7 +204,7 @@ class RemoteEngine:
             refs = {
                 r: self.replicas[r].generate.remote(
                     [list(prompts[i]) for i in idx],
-                    params if isinstance(params, SamplingParams) else [each[i] for i in idx],
+                    [each[i] for i in idx],
                     self.version,
                 )
                 for r, idx in by_replica.items()
