@@ -1,10 +1,12 @@
-"""How `agentree serve`'s batcher answers requests that wait together with different limits:
-eight greedy chat requests (`--max-tokens` cycled, each value twice by default) are queued at
-once on one `Batcher` over the transformers engine, and the benchmark reports the engine calls
-made, the time until every request was answered and each request's latency.
+"""How `agentree serve`'s batcher answers requests with different limits: eight greedy chat
+requests (`--max-tokens` cycled, each value twice by default) are queued at once on one
+`Batcher` over the transformers engine, or one every `--arrival` seconds (requests arriving
+while a call runs), and the benchmark reports the engine calls made, the requests that joined
+a running call, the time until every request was answered and each request's latency (from
+its own submission).
 
     python benchmarks/serve_batching.py [--policy smollm2-135m] [--max-tokens 16,32,64,128]
-                                        [--requests 8] [--repeats 2]
+                                        [--requests 8] [--repeats 2] [--arrival 0.5]
 
 The prompts ask for long stories, so that each request runs to its own `max_tokens` (the
 table prints the lengths). Requests are submitted to the batcher directly (no HTTP), so the
@@ -26,16 +28,23 @@ from agentree.hub.pretrained import local_policy
 from agentree.signals import interrupt_on_sigterm
 
 
-def one_round(engine: HFEngine, prompts: list[list[int]], limits: list[int]) -> dict:
-    """Every request queued at once; (wall seconds, calls, latencies, lengths)."""
+def one_round(
+    engine: HFEngine, prompts: list[list[int]], limits: list[int], arrival: float
+) -> dict:
+    """Request i submitted `i * arrival` seconds in; (wall seconds, calls, requests that joined
+    a running call, latencies, lengths)."""
     batcher = Batcher(engine)
     try:
         t0 = time.perf_counter()
         took: dict[int, float] = {}
         futures = []
         for i, (p, m) in enumerate(zip(prompts, limits, strict=True)):
+            time.sleep(max(0.0, t0 + i * arrival - time.perf_counter()))
+            sent = time.perf_counter()
             f = batcher.submit([p], SamplingParams(max_tokens=m, temperature=0.0))
-            f.add_done_callback(lambda _f, i=i: took.setdefault(i, time.perf_counter() - t0))
+            f.add_done_callback(
+                lambda _f, i=i, sent=sent: took.setdefault(i, time.perf_counter() - sent)
+            )
             futures.append(f)
         lengths = [len(f.result()[0][0].token_ids) for f in futures]
         wall = time.perf_counter() - t0
@@ -46,6 +55,7 @@ def one_round(engine: HFEngine, prompts: list[list[int]], limits: list[int]) -> 
     return {
         "wall_s": wall,
         "calls": batcher.calls,
+        "joined": getattr(batcher, "admitted", 0),  # a checkout without continuous batching
         "mean_latency_s": sum(latency) / len(latency),
         "latency_s": latency,
         "lengths": lengths,
@@ -58,6 +68,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="16,32,64,128", help="limits, cycled over requests")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds after a warm-up")
+    ap.add_argument(
+        "--arrival", type=float, default=0.0, help="seconds between submissions (0: at once)"
+    )
     ap.add_argument("--json", help="also write the rounds to this file")
     args = ap.parse_args()
     limits = [int(x) for x in args.max_tokens.split(",")]
@@ -79,23 +92,37 @@ def main() -> None:
             )
             for i in range(args.requests)
         ]
-        one_round(engine, prompts, limits)  # warm-up, not reported
-        rounds = [one_round(engine, prompts, limits) for _ in range(args.repeats)]
+        one_round(engine, prompts, limits, 0.0)  # warm-up, not reported
+        rounds = [one_round(engine, prompts, limits, args.arrival) for _ in range(args.repeats)]
     finally:
         engine.close()
     print(
-        f"# policy {args.policy}, {args.requests} requests, max_tokens {limits}, load "
-        f"{os.getloadavg()[0]:.2f}"
+        f"# policy {args.policy}, {args.requests} requests, max_tokens {limits}, one every "
+        f"{args.arrival} s, load {os.getloadavg()[0]:.2f}"
     )
-    print("| round | engine calls | all answered (s) | mean latency (s) | latency by request (s) |")
-    print("|---:|---:|---:|---:|---|")
+    print(
+        "| round | engine calls | joined a running call | all answered (s) | mean latency (s) "
+        "| latency by request (s) |"
+    )
+    print("|---:|---:|---:|---:|---:|---|")
     for k, r in enumerate(rounds):
         each = " ".join(f"{x:.1f}" for x in r["latency_s"])
-        print(f"| {k} | {r['calls']} | {r['wall_s']:.2f} | {r['mean_latency_s']:.2f} | {each} |")
+        print(
+            f"| {k} | {r['calls']} | {r['joined']} | {r['wall_s']:.2f} | "
+            f"{r['mean_latency_s']:.2f} | {each} |"
+        )
     print(f"lengths: {rounds[0]['lengths']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"policy": args.policy, "max_tokens": limits, "rounds": rounds}, f)
+            json.dump(
+                {
+                    "policy": args.policy,
+                    "max_tokens": limits,
+                    "arrival_s": args.arrival,
+                    "rounds": rounds,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

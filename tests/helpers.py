@@ -20,6 +20,7 @@ import pytest
 
 from agentree.distributed.cluster import processes_matching
 from agentree.engines.base import (
+    Admit,
     Completion,
     DoneSink,
     EngineStats,
@@ -57,6 +58,7 @@ class ScriptedEngine:
         params: Params,
         on_token: TokenSink | None = None,
         on_done: DoneSink | None = None,
+        admit: Admit | None = None,  # never asked: it answers whole calls
     ) -> list[list[Completion]]:
         self.calls.append(len(prompts))
         out = []

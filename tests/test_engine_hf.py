@@ -212,6 +212,56 @@ def test_on_done_hears_each_completion_as_it_ends(hf_engine):
         )
 
 
+def test_prompts_admitted_mid_call_get_what_calls_of_their_own_give(hf_engine):
+    """Continuous batching (`admit`): prompts that join a running call after its third step,
+    or after its own rows have all ended, get the tokens, log-probs and alternatives a call of
+    their own gives; their completions are numbered after the call's own, heard by the hooks
+    from when they join, and returned after the call's prompts; it stays one engine call."""
+    _, ps = prompts(hf_engine, 3)
+    first = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=())
+    later = [
+        SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, stop_token_ids=()),
+        SamplingParams(max_tokens=4, temperature=0.0, n=2, stop_token_ids=()),
+    ]
+    for joins_at, limit in ((3, 12), (2, 2)):  # mid-call; after the call's own row ended
+        asks: list[int] = []
+        events: list[tuple[str, int]] = []
+
+        def admit(free, joins_at=joins_at, asks=asks, events=events):
+            asks.append(free)
+            events.append(("ask", len(asks)))
+            return ([ps[1], ps[2]], later) if len(asks) == joins_at else None
+
+        own = SamplingParams(**{**first.__dict__, "max_tokens": limit})
+        before = hf_engine.stats.calls
+        out = hf_engine.generate(
+            [ps[0]],
+            own,
+            on_token=lambda i, _t, events=events: events.append(("token", i)),
+            on_done=lambda i, _c, events=events: events.append(("done", i)),
+            admit=admit,
+        )
+        assert hf_engine.stats.calls - before == 1
+        assert [len(c) for c in out] == [1, 1, 2]
+        assert asks[0] == hf_engine.max_batch_size - 1  # what the live row leaves
+        joined = events.index(("ask", joins_at))
+        for label in (1, 2, 3):
+            heard = [k for k, e in enumerate(events) if e == ("token", label)]
+            assert heard and min(heard) > joined
+            assert events.index(("done", label)) == heard[-1] + 1
+        for p, sp, got in zip([ps[0], *ps[1:]], [own, *later], out, strict=True):
+            alone = hf_engine.generate([p], sp)[0]
+            for g, a in zip(got, alone, strict=True):
+                assert (g.token_ids, g.finish_reason) == (a.token_ids, a.finish_reason)
+                assert g.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+                if sp.logprobs:
+                    assert [list(t) for t in g.top_logprobs] == [list(t) for t in a.top_logprobs]
+    with pytest.raises(ValueError, match="call's seed"):
+        hf_engine.generate(
+            [ps[0]], first, admit=lambda _f: ([ps[1]], SamplingParams(seed=3, max_tokens=2))
+        )
+
+
 def test_params_per_prompt_keep_one_seed_and_one_count(hf_engine):
     _, ps = prompts(hf_engine, 2)
     with pytest.raises(ValueError, match="one seed"):

@@ -231,7 +231,7 @@ class GatedEngine:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, on_token=None, on_done=None):
+    def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
         def heard(i: int, t: int) -> bool | None:
             self.heard += 1
             gone = on_token(i, t)
@@ -321,7 +321,7 @@ def test_a_request_abandoned_while_queued_never_reaches_the_engine(server) -> No
     class Gated:  # the real engine, each call held at the door
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None, on_done=None):
+        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
             k = len(calls)
             calls.append(len(prompts))
             entered[k].set()
@@ -425,7 +425,7 @@ def test_concurrent_requests_share_engine_calls(server) -> None:
     class Gated:  # the real engine, held at the door until the queue has filled up
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None, on_done=None):
+        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
             calls.append(len(prompts))
             entered.set()
             gate.wait(30)
@@ -471,7 +471,7 @@ def test_requests_with_other_params_share_one_engine_call(server) -> None:
     class Gated:  # the real engine, held at the door until the queue has filled up
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None, on_done=None):
+        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
             calls.append((len(prompts), not isinstance(params, SamplingParams)))
             entered.set()
             gate.wait(30)
@@ -521,7 +521,7 @@ def test_a_request_is_answered_when_its_own_completions_end(server) -> None:
     class Watched:  # the real engine; the first call held at the door
         max_model_len = engine.max_model_len
 
-        def generate(self, prompts, params, on_token=None, on_done=None):
+        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
             entered.set()
             gate.wait(30)
 
@@ -545,6 +545,37 @@ def test_a_request_is_answered_when_its_own_completions_end(server) -> None:
     later = [answered for i, answered in seen[3:] if i == 1]  # the long one's, after token 2
     if len(long.result()[0][0].token_ids) > 3:
         assert later and all(later)
+
+
+def test_requests_that_arrive_mid_call_join_it(server) -> None:
+    """Continuous batching: a request that arrives while a call decodes joins that call at its
+    next step, is answered as a call of its own would answer it, and as soon as its own
+    completion ends; a seeded request waits for the call to end and runs alone."""
+    engine = server.api.engine
+    tok = server.api.tokenizer
+    batcher = Batcher(engine)
+    prompts = [tok.encode(f"_ {i} P") for i in range(3)]
+    joined: list = []
+    answered: list[bool] = []  # at each later token of the first request: short answered yet
+
+    def first_heard(i: int, token) -> None:
+        if len(answered) == 2 and not joined:  # its third token: the others arrive now
+            joined.append(batcher.submit([prompts[1]], greedy_short))
+            seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
+            joined.append(batcher.submit([prompts[2]], seeded))
+        answered.append(bool(joined) and joined[0].done())
+
+    params, greedy_short = (SamplingParams(max_tokens=m, temperature=0.0) for m in (24, 3))
+    long = batcher.submit([prompts[0]], params, first_heard)
+    (out,), (short,), (seeded,) = long.result(), joined[0].result(), joined[1].result()
+    batcher.close()
+    assert batcher.calls == 2 and batcher.admitted == 1
+    assert out[0].token_ids == engine_greedy(server, prompts[0], 24)
+    assert short[0].token_ids == engine.generate([prompts[1]], greedy_short)[0][0].token_ids
+    alone = engine.generate([prompts[2]], SamplingParams(max_tokens=4, temperature=1.0, seed=7))
+    assert seeded[0].token_ids == alone[0][0].token_ids
+    if len(out[0].token_ids) > 8:  # the first request decodes on after the short one ends
+        assert answered[-1]
 
 
 def test_add_serve_command_registers_the_subcommand() -> None:

@@ -273,6 +273,59 @@ def test_on_token_hears_each_step_and_ends_a_completion_whose_listener_has_gone(
         engine.sync_weights(trainer.model)
 
 
+def test_prompts_admitted_mid_call_get_what_calls_of_their_own_give(trainer, engine) -> None:
+    """Continuous batching (`admit`): greedy requests that join the step loop after its second
+    step get what calls of their own give (tokens, log-probs, alternatives), are numbered
+    after the call's own, heard from when they join, and returned after it; one engine call.
+    The call's own request samples the broad policy of the seeds test, so it runs long."""
+    broad = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        broad.get_output_embeddings().weight.mul_(0.02)
+    engine.sync_weights(broad)
+    try:
+        tok = engine.tokenizer
+        prompt = prompt_ids(tok)
+        other = tok.encode("<|im_start|>user\nG__P\nWhich way?<|im_end|>\n<|im_start|>assistant\n")
+        own = SamplingParams(max_tokens=12, temperature=1.0)
+        later = [
+            SamplingParams(max_tokens=5, temperature=0.0, logprobs=2),
+            SamplingParams(max_tokens=4, temperature=0.0, n=2),
+        ]
+        asks: list[int] = []
+        events: list[tuple[str, int]] = []
+
+        def admit(free):
+            asks.append(free)
+            events.append(("ask", len(asks)))
+            return ([other, prompt], later) if len(asks) == 2 else None
+
+        calls = engine.stats.calls
+        out = engine.generate(
+            [prompt],
+            own,
+            lambda i, _t: events.append(("token", i)),
+            lambda i, _c: events.append(("done", i)),
+            admit,
+        )
+        assert engine.stats.calls - calls == 1 and len(out[0][0].token_ids) > 3
+        assert [len(c) for c in out] == [1, 1, 2]
+        joined = events.index(("ask", 2))
+        for label in (1, 2, 3):
+            heard = [k for k, e in enumerate(events) if e == ("token", label)]
+            assert heard and min(heard) > joined and ("done", label) in events[heard[-1] :]
+        for p, sp, got in zip([other, prompt], later, out[1:], strict=True):
+            alone = engine.generate([p], sp)[0]
+            for g, a in zip(got, alone, strict=True):
+                assert (g.token_ids, g.finish_reason) == (a.token_ids, a.finish_reason)
+                assert g.logprobs == pytest.approx(a.logprobs, abs=TOL)
+                assert (g.top_logprobs is None) == (not sp.logprobs)
+        with pytest.raises(ValueError, match="call's seed"):
+            engine.generate([prompt], own, admit=lambda _f: ([other], SamplingParams(seed=3)))
+        assert not engine.llm.llm_engine.has_unfinished_requests()
+    finally:
+        engine.sync_weights(trainer.model)
+
+
 def test_session_matches_the_transformers_session(trainer, engine) -> None:
     prompt = prompt_ids(engine.tokenizer)
     hf = HFEngine(trainer.model, engine.tokenizer)

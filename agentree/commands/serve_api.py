@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -184,18 +185,24 @@ class _Job:
 class Batcher:
     """Runs engine calls on one worker thread, merging the requests that wait into one call:
     each keeps its own params (`Engine.generate` takes one per prompt), and a request with a
-    `seed` runs alone, since a call draws from one seed."""
+    `seed` runs alone, since a call draws from one seed. Requests that arrive while a call
+    runs join it between its steps (`Engine.generate`'s `admit`, continuous batching) on an
+    engine that decodes step by step, in order, until one cannot (it has a seed or does not
+    fit): that one, and every later one, waits for the call to end."""
 
     def __init__(self, engine: Engine, max_batch: int = 64) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._held: deque[_Job | None] = deque()  # taken from the queue, not admitted: next
         self._gone: set[Future] = set()  # running requests abandoned, until answered
         self._lock = threading.RLock()  # a request is answered, or abandoned, not both
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
         self._thread.start()
         self.calls = 0
         """Engine calls made (fewer than requests when requests were merged)."""
+        self.admitted = 0
+        """Requests that joined a running call."""
         self.abandoned = 0
         """Requests given up by their clients before they were answered (`abandon`)."""
 
@@ -229,15 +236,22 @@ class Batcher:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.submit(prompts, params).result()
 
+    def _next(self, wait: bool) -> _Job | None:
+        """The next request, the held ones first; `queue.Empty` when none waits (`wait`
+        false). None: the batcher is closing."""
+        if self._held:
+            return self._held.popleft()
+        return self._queue.get() if wait else self._queue.get_nowait()
+
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next(wait=True)
             if job is None:
                 return
             jobs, stop = [job], False
             while len(jobs) < self.max_batch:
                 try:
-                    nxt = self._queue.get_nowait()
+                    nxt = self._next(wait=False)
                 except queue.Empty:
                     break
                 if nxt is None:
@@ -254,6 +268,25 @@ class Batcher:
             if stop:
                 return
 
+    def _admit(self, free: int, room: int) -> list[_Job]:
+        """The waiting requests that join the running call: in order, while they have no seed,
+        their completions fit in `free` and at most `room` requests join. The first that
+        cannot join is held for the next call, and no later one overtakes it."""
+        jobs: list[_Job] = []
+        while not self._held and len(jobs) < room:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            need = 0 if job is None else len(job.prompts) * job.params.n
+            if job is None or job.params.seed is not None or need > free:
+                self._held.append(job)
+                break
+            if job.future.set_running_or_notify_cancel():  # else abandoned while queued
+                jobs.append(job)
+                free -= need
+        return jobs
+
     def _call(self, group: list[_Job]) -> None:
         """One engine call for `group`; each request is answered as soon as its own
         completions have ended, the rest of the call decoding on."""
@@ -261,8 +294,15 @@ class Batcher:
         each = [j.params for j in group for _ in j.prompts]
         params = each[0] if len(set(each)) == 1 else each
         # completion index of the merged call -> (its job, its index in that job)
-        owners = [(j, i) for j in group for i in range(len(j.prompts) * j.params.n)]
-        ended: dict[int, dict[int, Completion]] = {id(j): {} for j in group}
+        owners: list[tuple[_Job, int]] = []
+        ended: dict[int, dict[int, Completion]] = {}
+
+        def add(jobs: list[_Job]) -> None:
+            for j in jobs:
+                owners.extend((j, i) for i in range(len(j.prompts) * j.params.n))
+                ended[id(j)] = {}
+
+        add(group)
 
         def heard(index: int, token: SampledToken) -> bool:
             job, i = owners[index]
@@ -279,10 +319,23 @@ class Batcher:
                 answer = [[got[p * n + k] for k in range(n)] for p in range(len(job.prompts))]
                 self._answer(job, answer)
 
+        def admit(free: int) -> tuple[list[list[int]], list[SamplingParams]] | None:
+            running = sum(not j.future.done() for j in group)
+            jobs = self._admit(free, self.max_batch - running)
+            if not jobs:
+                return None
+            group.extend(jobs)  # their completions are numbered, and returned, after these
+            add(jobs)
+            self.admitted += len(jobs)
+            return [p for j in jobs for p in j.prompts], [j.params for j in jobs for _ in j.prompts]
+
+        seeded = group[0].params.seed is not None  # its draws are its own: nothing joins it
         answer: list[list[Completion]] | Exception
         try:
             self.calls += 1
-            answer = self.engine.generate(prompts, params, on_token=heard, on_done=done)
+            answer = self.engine.generate(
+                prompts, params, on_token=heard, on_done=done, admit=None if seeded else admit
+            )
         except Exception as e:
             answer = e
         k = 0

@@ -23,6 +23,7 @@ import ray
 
 from agentree.config import validate_config
 from agentree.engines.base import (
+    Admit,
     Completion,
     DoneSink,
     EngineStats,
@@ -193,7 +194,10 @@ class RemoteEngine:
         params: Params,
         on_token: TokenSink | None = None,
         on_done: DoneSink | None = None,
+        admit: Admit | None = None,
     ) -> list[list[Completion]]:
+        # `admit` is never asked: replicas return whole batches, so whatever waits runs in
+        # the caller's next call
         each = per_prompt(prompts, params)
         out: list[list[Completion] | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))

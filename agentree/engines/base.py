@@ -141,6 +141,35 @@ DoneSink = Callable[[int, Completion], None]
 may still be decoding (so a caller can answer it before the call returns)."""
 
 
+Admit = Callable[[int], tuple[Sequence[Sequence[int]], Params] | None]
+"""`admit(free)`: asked by an engine between the decoding steps of a call, more prompts to
+join the call now (continuous batching), with their params, of at most `free` completions in
+all; `None` when nothing waits. Their params must carry the call's seed. Their completions are
+numbered after those the call has so far, told to the hooks like the call's own, and returned
+after the call's own prompts in the order admitted. Only an engine that decodes step by step
+asks (transformers, vLLM); one that never asks is still correct, so a caller keeps whatever
+was not admitted for a later call."""
+
+
+def admitted(
+    admit: Admit | None, free: int, seed: int | None
+) -> list[tuple[Sequence[int], SamplingParams]]:
+    """What `admit` lets join a call now, each prompt with its params: nothing without the
+    hook or without room; checked as `per_prompt` checks a call, against the call's seed."""
+    if admit is None or free <= 0:
+        return []
+    got = admit(free)
+    if not got or not got[0]:
+        return []
+    prompts, params = got
+    each = per_prompt(prompts, params)
+    if each[0].seed != seed:
+        raise ValueError("prompts admitted into an engine call must carry the call's seed")
+    if sum(p.n for p in each) > free:
+        raise ValueError(f"admitted {sum(p.n for p in each)} completions where {free} fit")
+    return list(zip(prompts, each, strict=True))
+
+
 def report_tokens(
     results: list[list[Completion]],
     on_token: TokenSink | None,
@@ -178,14 +207,16 @@ class Engine(Protocol):
         params: Params,
         on_token: TokenSink | None = None,
         on_done: DoneSink | None = None,
+        admit: Admit | None = None,
     ) -> list[list[Completion]]:
         """One list of `n` completions per prompt, `params` one for all prompts or one each
-        (`per_prompt`). `on_token(i, token)` hears each token (`SampledToken`) as it is
-        sampled, `i` counting completions prompt by prompt (with one `params`, `i // params.n`
-        is the prompt), and `on_done(i, completion)` each completion as it ends: the
-        transformers and vLLM engines call them as each token is sampled and each completion
-        ends, and end a completion whose `on_token` returns true; engines that finish whole
-        batches elsewhere call them at the end (`report_tokens`)."""
+        (`per_prompt`), then one per prompt that joined the call through `admit` (`Admit`).
+        `on_token(i, token)` hears each token (`SampledToken`) as it is sampled, `i` counting
+        completions prompt by prompt (with one `params`, `i // params.n` is the prompt), and
+        `on_done(i, completion)` each completion as it ends: the transformers and vLLM
+        engines call them as each token is sampled and each completion ends, and end a
+        completion whose `on_token` returns true; engines that finish whole batches elsewhere
+        call them at the end (`report_tokens`)."""
         ...
 
     def open_session(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from agentree.engines.base import (
+    Admit,
     Completion,
     DoneSink,
     EngineStats,
@@ -28,6 +29,7 @@ from agentree.engines.base import (
     SampledToken,
     SamplingParams,
     TokenSink,
+    admitted,
     per_prompt,
 )
 from agentree.hub.load import load_policy
@@ -210,6 +212,32 @@ class _Batch:
         self.tokens = [list(self.tokens[r]) for r in rows]
         self.sources = [self.sources[r] for r in rows]
 
+    def extend(self, other: _Batch) -> None:
+        """Add `other`'s rows after these: the shorter cache is left-padded to the longer one
+        (the padding masked), so every row keeps its own positions."""
+        # deferred: as in __init__
+        from transformers import DynamicCache
+
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def padded(t: torch.Tensor, dim: int) -> torch.Tensor:
+            # zeros on the left of dimension `dim` (the sequence), up to `width`
+            pad = [0, 0] * (t.dim() - 1 - dim) + [width - t.shape[dim], 0]
+            return F.pad(t, pad)
+
+        layers = [
+            (
+                torch.cat([padded(a.keys, 2), padded(b.keys, 2)]),
+                torch.cat([padded(a.values, 2), padded(b.values, 2)]),
+            )
+            for a, b in zip(self.cache.layers, other.cache.layers, strict=True)
+        ]
+        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.mask = torch.cat([padded(self.mask, 1), padded(other.mask, 1)])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.tokens += other.tokens
+        self.sources += other.sources
+
     def row_kv(self, row: int) -> KV:
         keep = self.mask[row].nonzero().squeeze(1)
         return [
@@ -325,149 +353,125 @@ class HFEngine:
         params: Params,
         on_token: TokenSink | None = None,
         on_done: DoneSink | None = None,
+        admit: Admit | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
         each = per_prompt(prompts, params)
-        if each[0].seed is not None:
-            self.generator.manual_seed(each[0].seed)
+        seed = each[0].seed
+        if seed is not None:
+            self.generator.manual_seed(seed)
         self.stats.calls += 1
-        # Identical prompts are prefilled once; each occurrence still gets its own samples,
-        # drawn with its own params: `rows[u]` holds the params of unique prompt u's rows.
-        unique: dict[tuple[int, ...], int] = {}
-        rows: list[list[SamplingParams]] = []
-        # for the hooks: where each unique prompt's samples land in the output, its
-        # occurrences in prompt order, `n` samples each
-        places: list[list[int]] = []
-        first = 0  # completion index of this prompt's first sample
-        for p, ps in zip(prompts, each, strict=True):
-            if not p:
-                raise ValueError("cannot generate from an empty prompt")
-            u = unique.setdefault(tuple(p), len(unique))
-            if u == len(rows):
-                rows.append([])
-                places.append([])
-            rows[u] += [ps] * ps.n
-            places[u] += range(first, first + ps.n)
-            first += ps.n
-        keys = [list(k) for k in unique]
-        results: list[list[Completion]] = []
+        asked = list(zip(prompts, each, strict=True))  # admitted prompts join at the end
+        done: list[Completion | None] = [None] * sum(ps.n for ps in each)
+
+        def more(free: int) -> list[_Prompt]:
+            joined = admitted(admit, free, seed)
+            first = len(done)
+            asked.extend(joined)
+            done.extend([None] * sum(ps.n for _, ps in joined))
+            return _distinct(joined, first)
+
+        # Identical prompts are prefilled once; each occurrence still gets its own samples.
+        groups = _distinct(asked, 0)
         was_training = self.model.training
         self.model.eval()
         try:
             start = 0
-            while start < len(keys):
+            while start < len(groups):
                 stop, width = start, 0
-                while stop < len(keys) and (
-                    stop == start or width + len(rows[stop]) <= self.max_batch_size
+                while stop < len(groups) and (
+                    stop == start or width + len(groups[stop].rows) <= self.max_batch_size
                 ):
-                    width += len(rows[stop])
+                    width += len(groups[stop].rows)
                     stop += 1
-                index = [i for u in range(start, stop) for i in places[u]]
-                results += self._generate_unique(
-                    keys[start:stop],
-                    rows[start:stop],
-                    on_token and _relabel(on_token, index),
-                    on_done and _relabel(on_done, index),
-                )
+                last = stop == len(groups)  # only the last batch admits: none waits behind it
+                self._decode(groups[start:stop], done, on_token, on_done, more if last else None)
                 start = stop
         finally:
             self.model.train(was_training)
         out: list[list[Completion]] = []
-        taken = [0] * len(keys)
-        for p, ps in zip(prompts, each, strict=True):
-            u = unique[tuple(p)]
-            out.append(results[u][taken[u] : taken[u] + ps.n])
-            taken[u] += ps.n
+        first = 0
+        for _, ps in asked:
+            out.append(done[first : first + ps.n])  # type: ignore[arg-type]  # all ended
+            first += ps.n
         return out
 
-    def _generate_unique(
+    def _decode(
         self,
-        prompts: list[list[int]],
-        rows: list[list[SamplingParams]],
-        on_token: TokenSink | None = None,
-        on_done: DoneSink | None = None,
-    ) -> list[list[Completion]]:
-        """`len(rows[i])` completions for each distinct prompt `prompts[i]`, drawn with the
-        params in `rows[i]`; `on_token` hears each row's tokens and `on_done` its completion
-        as it ends, by row (the rows are the prompts' completions in order). Rows whose
-        sampling agrees (temperature, top-p, top-k, log-probs, entropy) sample together; each
-        row keeps its own limit and stops."""
-        longest = max(len(p) for p in prompts)
+        groups: list[_Prompt],
+        done: list[Completion | None],
+        on_token: TokenSink | None,
+        on_done: DoneSink | None,
+        more: Callable[[int], list[_Prompt]] | None,
+    ) -> None:
+        """Decode `groups` in one batch until every row ends, each row its completion `label`
+        in `done`; `on_token` hears each row's tokens and `on_done` its completion as it ends.
+        Rows whose sampling agrees (temperature, top-p, top-k, log-probs, entropy) sample
+        together; each row keeps its own limit and stops. After each step `more(free)` may
+        bring prompts that join the batch (continuous batching)."""
+        batch, rows = self._join(None, [], groups)
+        while rows:
+            sampled = self._sample([r.params for r in rows], batch.logits)
+            keep: list[int] = []
+            for i, (row, (t, lp, entropy, top)) in enumerate(zip(rows, sampled, strict=True)):
+                row.add(t, lp, entropy, top)
+                finish = "stop" if t in row.stops or row.stop_text.hit(row.tokens) else None
+                last = len(row.tokens) == row.limit
+                if on_token is not None:
+                    gone = on_token(row.label, SampledToken(t, lp, top))  # its listener left
+                    if gone and finish is None and not last:
+                        finish = "abort"
+                if finish is not None or last:
+                    batch.store(i)
+                    done[row.label] = row.completion(finish or "length")
+                    if on_done is not None:
+                        on_done(row.label, done[row.label])  # type: ignore[arg-type]
+                else:
+                    keep.append(i)
+            self.stats.tokens_generated += len(rows)
+            if len(keep) < len(rows):
+                rows = [rows[i] for i in keep]
+                if rows:
+                    batch.select(keep)
+            if rows:
+                batch.append([r.tokens[-1] for r in rows])
+            joining = more(self.max_batch_size - len(rows)) if more is not None else []
+            if joining:
+                batch, rows = self._join(batch if rows else None, rows, joining)
+
+    def _join(
+        self, batch: _Batch | None, rows: list[_Row], groups: list[_Prompt]
+    ) -> tuple[_Batch, list[_Row]]:
+        """`batch` and its `rows` with `groups` prefilled and added (a new batch for None)."""
+        longest = max(len(g.prompt) for g in groups)
         if longest >= self._max_len:
             raise ValueError(
                 f"prompt of {longest} tokens leaves no room to generate (max_model_len "
                 f"{self._max_len})"
             )
-        batch = _Batch(self, prompts)
-        owner = [i for i, r in enumerate(rows) for _ in r]
-        if len(owner) > len(prompts):
-            batch.select(owner)
-        params = [p for r in rows for p in r]  # of each output slot
-        # each row's positions are its own: the room a row has is what its prompt leaves
-        limit = [
-            min(p.max_tokens, self._max_len - len(prompts[u]))
-            for p, u in zip(params, owner, strict=True)
-        ]
-        stops = [set(p.stop_token_ids) | set(self.eos_token_ids) for p in params]
-        texts = {p.stop: _StopText(self.tokenizer, p.stop) for p in params}
-        stop_text = [texts[p.stop] for p in params]
-        n = len(batch.tokens)
-        live = list(range(n))  # output slot of each live row
-        toks: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        ents: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
-        finish = ["length"] * n
-        done: list[Completion | None] = [None] * n
-
-        def end(slot: int) -> None:
-            done[slot] = Completion(
-                token_ids=toks[slot],
-                logprobs=lps[slot],
-                finish_reason=finish[slot],  # type: ignore[arg-type]
-                top_logprobs=tops[slot] if params[slot].logprobs else None,
-                entropies=ents[slot] if params[slot].entropy else None,
+        new = _Batch(self, [g.prompt for g in groups])
+        owner = [u for u, g in enumerate(groups) for _ in g.rows]
+        if len(owner) > len(groups):
+            new.select(owner)
+        texts: dict[tuple[str, ...], _StopText] = {}
+        eos = set(self.eos_token_ids)
+        joined = [
+            _Row(
+                label=label,
+                params=ps,
+                # each row's positions are its own: its room is what its prompt leaves
+                limit=min(ps.max_tokens, self._max_len - len(g.prompt)),
+                stops=set(ps.stop_token_ids) | eos,
+                stop_text=texts.setdefault(ps.stop, _StopText(self.tokenizer, ps.stop)),
             )
-            if on_done is not None:
-                on_done(slot, done[slot])
-
-        for step in range(max(limit)):
-            sampled = self._sample([params[slot] for slot in live], batch.logits)
-            keep: list[int] = []
-            for r, slot in enumerate(live):
-                t, lp, entropy, top = sampled[r]
-                toks[slot].append(t)
-                lps[slot].append(lp)
-                if entropy is not None:
-                    ents[slot].append(entropy)
-                if top is not None:
-                    tops[slot].append(top)
-                ended = t in stops[slot] or stop_text[slot].hit(toks[slot])
-                if ended:
-                    finish[slot] = "stop"
-                last = step == limit[slot] - 1
-                if on_token is not None:
-                    gone = on_token(slot, SampledToken(t, lp, top))  # true: its listener left
-                    if gone and not ended and not last:
-                        finish[slot], ended = "abort", True
-                if ended or last:
-                    batch.store(r)
-                    end(slot)
-                else:
-                    keep.append(r)
-            self.stats.tokens_generated += len(live)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                batch.select(keep)
-                live = [live[r] for r in keep]
-            batch.append([toks[slot][-1] for slot in live])
-        grouped: list[list[Completion]] = [[] for _ in prompts]
-        for i, c in enumerate(done):
-            assert c is not None  # every row ends by its limit
-            grouped[owner[i]].append(c)
-        return grouped
+            for g in groups
+            for ps, label in g.rows
+        ]
+        if batch is None:
+            return new, joined
+        batch.extend(new)
+        return batch, rows + joined
 
     def _sample(
         self, params: list[SamplingParams], logits: torch.Tensor
@@ -518,9 +522,60 @@ class HFEngine:
         self.prefix_cache.clear()
 
 
-def _relabel(hook: Callable[[int, Any], Any], index: list[int]) -> Callable[[int, Any], Any]:
-    """`hook` hearing row `r` as completion `index[r]` (and answering for it)."""
-    return lambda r, x: hook(index[r], x)
+@dataclass
+class _Prompt:
+    """A distinct prompt of a call and its rows: each sample's params and completion label."""
+
+    prompt: list[int]
+    rows: list[tuple[SamplingParams, int]]
+
+
+def _distinct(asked: Sequence[tuple[Sequence[int], SamplingParams]], first: int) -> list[_Prompt]:
+    """`asked` (prompts with their params) as distinct prompts, labelling completions from
+    `first` on, prompt by prompt, `n` each: a repeated prompt is prefilled once."""
+    groups: dict[tuple[int, ...], _Prompt] = {}
+    for p, ps in asked:
+        if not p:
+            raise ValueError("cannot generate from an empty prompt")
+        group = groups.setdefault(tuple(p), _Prompt(list(p), []))
+        group.rows += [(ps, first + k) for k in range(ps.n)]
+        first += ps.n
+    return list(groups.values())
+
+
+@dataclass
+class _Row:
+    """A live row of a decoding batch: the completion it builds."""
+
+    label: int
+    """Its completion's index in the call."""
+    params: SamplingParams
+    limit: int
+    stops: set[int]
+    stop_text: _StopText
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
+
+    def add(
+        self, token: int, logprob: float, entropy: float | None, top: dict[int, float] | None
+    ) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if entropy is not None:
+            self.entropies.append(entropy)
+        if top is not None:
+            self.tops.append(top)
+
+    def completion(self, finish: str) -> Completion:
+        return Completion(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+            top_logprobs=self.tops if self.params.logprobs else None,
+            entropies=self.entropies if self.params.entropy else None,
+        )
 
 
 class _StopText:

@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,7 @@ import torch
 from transformers import AutoTokenizer
 
 from agentree.engines.base import (
+    Admit,
     Completion,
     DoneSink,
     EngineStats,
@@ -84,8 +85,12 @@ from agentree.engines.base import (
     SampledToken,
     SamplingParams,
     TokenSink,
+    admitted,
     per_prompt,
 )
+
+_Requests = tuple[list[list[int]], list[Any], list[SamplingParams]]
+"""vLLM requests, one per sample: prompts, vLLM sampling params, the params they came with."""
 
 EXACT_ENTROPY_VOCAB = 4096
 """Vocabularies up to this size get exact entropies (full-vocabulary log-probs) by default."""
@@ -143,6 +148,7 @@ class VLLMEngine:
         self.in_process = is_in_process(self.llm)
         mc = self.llm.llm_engine.model_config
         self._max_len = int(mc.max_model_len)
+        self._max_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
         self._vocab = int(mc.get_vocab_size())
         eos = getattr(mc.hf_config, "eos_token_id", None)
         ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -175,6 +181,7 @@ class VLLMEngine:
         params: Params,
         on_token: TokenSink | None = None,
         on_done: DoneSink | None = None,
+        admit: Admit | None = None,
     ) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -185,8 +192,36 @@ class VLLMEngine:
         # identical prompts still get different samples (vLLM would give equal seeds equal draws).
         seed = each[0].seed
         rng = random.Random(seed) if seed is not None else self._rng
-        inputs, sps, asked = [], [], []  # a request per sample, and the params it came with
-        for p, ps in zip(prompts, each, strict=True):
+        requests = self._requests(list(zip(prompts, each, strict=True)), rng)
+        counts = [ps.n for ps in each]  # completions of each prompt, admitted ones after
+
+        def more(free: int) -> _Requests:
+            joined = admitted(admit, free, seed)
+            counts.extend(ps.n for _, ps in joined)
+            return self._requests(joined, rng)
+
+        if on_token is None and on_done is None and admit is None:
+            inputs, sps, asked = requests
+            outs = self._run(inputs, sps)
+            comps = [
+                self._completion(prompt, out, ps)
+                for prompt, out, ps in zip(inputs, outs, asked, strict=True)
+            ]
+        else:
+            comps = self._stream(requests, on_token, on_done, more if admit is not None else None)
+        results: list[list[Completion]] = []
+        for n in counts:
+            results.append(comps[:n])
+            comps = comps[n:]
+        return results
+
+    def _requests(
+        self, asked: list[tuple[Sequence[int], SamplingParams]], rng: random.Random
+    ) -> _Requests:
+        """A vLLM request per sample of `asked` (prompts with their params): its prompt, its
+        vLLM sampling params (seeded from `rng`) and the params it came with."""
+        inputs, sps, params = [], [], []
+        for p, ps in asked:
             if not p:
                 raise ValueError("cannot generate from an empty prompt")
             room = self._max_len - len(p)
@@ -199,20 +234,8 @@ class VLLMEngine:
             for _ in range(ps.n):
                 inputs.append(list(p))
                 sps.append(self._sampling(ps, min(ps.max_tokens, room), k, rng))
-                asked.append(ps)
-        if on_token is None and on_done is None:
-            outs = self._run(inputs, sps)
-            comps = [
-                self._completion(prompt, out, ps)
-                for prompt, out, ps in zip(inputs, outs, asked, strict=True)
-            ]
-        else:
-            comps = self._stream(inputs, sps, asked, on_token, on_done)
-        results: list[list[Completion]] = []
-        for ps in each:
-            results.append(comps[: ps.n])
-            comps = comps[ps.n :]
-        return results
+                params.append(ps)
+        return inputs, sps, params
 
     def open_session(
         self, prompts: Sequence[Sequence[int]], temperature: float = 1.0
@@ -341,35 +364,48 @@ class VLLMEngine:
 
     def _stream(
         self,
-        inputs: list[list[int]],
-        sps: list[Any],
-        asked: list[SamplingParams],
+        requests: _Requests,
         on_token: TokenSink | None,
         on_done: DoneSink | None,
+        more: Callable[[int], _Requests] | None = None,
     ) -> list[Completion]:
         """`_run` through the engine's own loop (`LLMEngine.add_request` / `step` /
         `abort_request`, what `LLM.generate` runs), telling `on_token` the tokens each step
         adds and `on_done` each request's completion as it ends; a request whose `on_token`
-        answers true is aborted there. Each request's completion."""
+        answers true is aborted there. After each step `more(free)` may bring requests that
+        join (continuous batching; `free`: what the scheduler's `max_num_seqs` leaves). Each
+        request's completion, the joined ones after."""
         # deferred: vllm is the optional [vllm] extra
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
+        inputs: list[list[int]] = []
+        asked: list[SamplingParams] = []
         names: list[str] = []
-        last: list[Any] = [None] * len(inputs)
-        comps: list[Completion | None] = [None] * len(inputs)
-        try:
-            for prompt, sp in zip(inputs, sps, strict=True):
+        row: dict[str, int] = {}
+        last: list[Any] = []
+        comps: list[Completion | None] = []
+        heard: list[int] = []
+
+        def add(new: _Requests) -> None:
+            for prompt, sp, ps in zip(*new, strict=True):
+                inputs.append(prompt)
+                asked.append(ps)
                 # every step's tokens so far: vLLM's output processor hands its own growing
                 # token and log-prob lists, not copies, so a long stream stays linear
                 sp.output_kind = RequestOutputKind.CUMULATIVE
                 names.append(f"agentree-{next(self._request_ids)}")
+                row[names[-1]] = len(names) - 1
+                last.append(None)
+                comps.append(None)
+                heard.append(0)
                 engine.add_request(
                     names[-1], TokensPrompt(prompt_token_ids=prompt), sp, lora_request=self._lora
                 )
-            row = {name: i for i, name in enumerate(names)}
-            heard = [0] * len(inputs)
+
+        try:
+            add(requests)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     i = row[out.request_id]
@@ -389,6 +425,8 @@ class VLLMEngine:
                         comps[i] = self._completion(inputs[i], out, asked[i], kept)
                         if on_done is not None:
                             on_done(i, comps[i])
+                if more is not None:
+                    add(more(self._max_seqs - engine.get_num_unfinished_requests()))
         finally:  # an error or an interrupt leaves no request of this call in the engine
             running = [name for i, name in enumerate(names) if comps[i] is None]
             if running:
