@@ -200,10 +200,11 @@ class EndlessEngine(ToyEngine):
         return out
 
 
-def leaf_ratio(continuation, m, n, iters, t, prompts=20):
+def leaf_ratio(continuation, m, n, iters, t, prompts=20, max_context=4096):
     """Leaves per tree over independent chains of the same length at equal generated tokens,
     the leaves' lengths, and the engine calls made."""
     ctx, _ = toy_context(lambda resp: {}, max_tokens=LENGTH)
+    ctx.max_context = max_context
     ctx.engine = EndlessEngine()
     ep = EPTree(EPTreeConfig(M=m, N=n, L=iters, T=t, answer_markers=[], continuation=continuation))
     trees, stats = ep.rollout([Task(f"t{i}", i) for i in range(prompts)], ctx)
@@ -233,3 +234,15 @@ def test_full_budget_continuations_break_the_fixed_length_assumption():
     ratio, lengths, _ = leaf_ratio("full", 4, 2, 1, 2, prompts=4)
     assert ratio == pytest.approx(1.0)
     assert max(lengths) > LENGTH
+
+
+def test_each_continuation_has_the_room_its_own_context_leaves():
+    """Full-budget continuations near the context limit: each stops where its own context
+    fills up (a late fork point leaves less room than an early one), not where the deepest
+    fork of its round would."""
+    limit = LENGTH + 30  # response tokens that fit after the prompt
+    _, lengths, _ = leaf_ratio("full", 4, 4, 1, 1, prompts=8, max_context=len(PROMPT) + limit)
+    # a fork at offset k continues min(LENGTH, limit - k) tokens: a leaf of min(k + LENGTH,
+    # limit), never shorter than a chain (the deepest fork's room, 31, would leave k + 31)
+    assert min(lengths) == LENGTH and max(lengths) == limit
+    assert any(LENGTH < n < limit for n in lengths)

@@ -195,13 +195,16 @@ class _Forest:
         if not jobs:
             return
         contexts = [self.roots[g].prompt + self._response(g, ch, off) for g, _, ch, off in jobs]
-        room = min(self.ctx.max_context - len(x) for x in contexts)
-        cap = max(1, min(room, self.ctx.sampling.max_tokens))
-        budgets = [cap] * len(jobs)
+        # each continuation has the room its own context leaves
+        budgets = [
+            max(1, min(self.ctx.max_context - len(x), self.ctx.sampling.max_tokens))
+            for x in contexts
+        ]
         if self.cfg.continuation == "remaining":
             # the forked response is chain.start + len(chain.token_ids) tokens long
             budgets = [
-                max(1, min(cap, ch.start + len(ch.token_ids) - off)) for _, _, ch, off in jobs
+                max(1, min(cap, ch.start + len(ch.token_ids) - off))
+                for cap, (_, _, ch, off) in zip(budgets, jobs, strict=True)
             ]
         # one engine call, each job with its own budget
         params = [replace(self.ctx.sampling, n=self.cfg.T, max_tokens=b) for b in budgets]
