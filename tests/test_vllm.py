@@ -565,6 +565,48 @@ def test_a_dead_client_leaves_no_engine_process(tiny_frozenlake, tmp_path, how) 
                 p.kill()
 
 
+AFTER_IN_PROCESS = """
+import sys
+from pathlib import Path
+from agentree.engines.vllm import VLLMEngine
+if __name__ == "__main__":
+    first = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=float(sys.argv[2]),
+                       in_process=True)
+    second = VLLMEngine(sys.argv[1], dtype="float32", gpu_memory_utilization=float(sys.argv[2]),
+                        in_process=False)
+    own, before = Path(second.llm._agentree_sockets), Path(first.llm._agentree_sockets)
+    print("OWN", sorted(p.name for p in own.iterdir() if p.is_socket()), flush=True)
+    print("FIRST", sorted(p.name for p in before.iterdir()), flush=True)
+    second.close()
+    first.close()
+    print("LEFT", own.exists(), before.exists(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_started_after_an_in_process_one_keeps_its_own_sockets(
+    tiny_frozenlake, tmp_path
+) -> None:
+    """An in-process engine core freezes vLLM's view of the environment (`enable_envs_cache`);
+    an engine started after it in the same process still puts its sockets in its own
+    directory, and both directories are gone after close."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_IN_PROCESS, str(tiny_frozenlake), str(SECOND_ENGINE_MEMORY)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = done.stdout
+    assert done.returncode == 0, _root_cause(done.stdout + done.stderr)
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines()}
+    assert lines["OWN"] != "[]"  # the second engine's client sockets, in its directory
+    assert lines["FIRST"] == "[]"  # none strayed into the first engine's
+    assert lines["LEFT"] == "False False"
+
+
 def _root_cause(log: str) -> str:
     """A failed engine start's log: vLLM's ERROR lines (the engine core's root cause is logged
     there, far above the client's traceback) and the tail."""

@@ -752,11 +752,18 @@ def _alive(pid: int) -> bool:
 def _vllm_env(in_process: bool | None, sockets: str) -> Iterator[None]:
     """Select vLLM's process layout and its sockets' directory for the engine being built,
     then restore the environment."""
+    # deferred: vllm is the optional [vllm] extra
+    from vllm import envs
+
     want = {"VLLM_RPC_BASE_PATH": sockets}
     if in_process is not None:
         want["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     old = {key: os.environ.get(key) for key in want}
     os.environ.update(want)
+    # an engine core that ran in this process froze vLLM's view of the environment
+    # (`enable_envs_cache`): without a fresh look, this engine's sockets would go where that
+    # engine's went
+    envs.disable_envs_cache()
     try:
         yield
     finally:
