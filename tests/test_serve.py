@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -550,30 +550,39 @@ def test_a_request_is_answered_when_its_own_completions_end(server) -> None:
 def test_requests_that_arrive_mid_call_join_it(server) -> None:
     """Continuous batching: a request that arrives while a call decodes joins that call at its
     next step, is answered as a call of its own would answer it, and as soon as its own
-    completion ends; a seeded request waits for the call to end and runs alone."""
+    completion ends; one that joined and whose client hangs up ends at its next token; a
+    seeded request waits for the call to end and runs alone."""
     engine = server.api.engine
     tok = server.api.tokenizer
     batcher = Batcher(engine)
     prompts = [tok.encode(f"_ {i} P") for i in range(3)]
-    joined: list = []
-    answered: list[bool] = []  # at each later token of the first request: short answered yet
+    params, greedy_short = (SamplingParams(max_tokens=m, temperature=0.0) for m in (24, 3))
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
+    later: dict[str, Future] = {}
+    answered: list[bool] = []  # at each token of the first request: the short one answered yet
+
+    def hang_up(*_) -> None:
+        batcher.abandon(later["hangs up"])
 
     def first_heard(i: int, token) -> None:
-        if len(answered) == 2 and not joined:  # its third token: the others arrive now
-            joined.append(batcher.submit([prompts[1]], greedy_short))
-            seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
-            joined.append(batcher.submit([prompts[2]], seeded))
-        answered.append(bool(joined) and joined[0].done())
+        k = len(answered)  # the others arrive at its third, fourth and fifth tokens
+        if k == 2:
+            later["short"] = batcher.submit([prompts[1]], greedy_short)
+        elif k == 3:
+            later["hangs up"] = batcher.submit([prompts[2]], params, hang_up)
+        elif k == 4:
+            later["seeded"] = batcher.submit([prompts[2]], seeded)
+        answered.append("short" in later and later["short"].done())
 
-    params, greedy_short = (SamplingParams(max_tokens=m, temperature=0.0) for m in (24, 3))
-    long = batcher.submit([prompts[0]], params, first_heard)
-    (out,), (short,), (seeded,) = long.result(), joined[0].result(), joined[1].result()
+    (out,) = batcher.submit([prompts[0]], params, first_heard).result()
+    ((short,),), ((cut,),), ((drawn,),) = (later[k].result() for k in later)
     batcher.close()
-    assert batcher.calls == 2 and batcher.admitted == 1
+    assert batcher.calls == 2 and batcher.admitted == 2 and batcher.abandoned == 1
     assert out[0].token_ids == engine_greedy(server, prompts[0], 24)
-    assert short[0].token_ids == engine.generate([prompts[1]], greedy_short)[0][0].token_ids
-    alone = engine.generate([prompts[2]], SamplingParams(max_tokens=4, temperature=1.0, seed=7))
-    assert seeded[0].token_ids == alone[0][0].token_ids
+    assert short.token_ids == engine_greedy(server, prompts[1], 3)
+    assert cut.finish_reason == "abort" and len(cut.token_ids) == 1
+    alone = engine.generate([prompts[2]], seeded)[0][0]
+    assert drawn.token_ids == alone.token_ids
     if len(out[0].token_ids) > 8:  # the first request decodes on after the short one ends
         assert answered[-1]
 
