@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 from collections import Counter
 from typing import ClassVar
 
@@ -240,45 +239,6 @@ def test_env_errors_end_the_branch_not_the_rollout(tokenizer):
     leaves = tree.finished_leaves()
     assert {leaf.end_reason for leaf in leaves} == {EndReason.ENV_ERROR}
     assert all("sandbox died" in leaf.info["error"] for leaf in leaves)
-
-
-def test_a_branch_steps_its_env_as_soon_as_its_completion_ends(tokenizer):
-    """`advance` starts a branch's env step when the engine tells that its completion ended
-    (`on_done`), while the rest of the call decodes: this engine tells the first completion,
-    then waits for that branch's env to step before it ends the call. The trees are those of
-    an engine that tells every completion at the end."""
-    stepped = threading.Event()
-    waited: list[bool] = []
-
-    class Staggered(ScriptedEngine):
-        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
-            out = super().generate(prompts, params)
-            if on_done is not None:
-                on_done(0, out[0][0])
-                waited.append(stepped.wait(30))  # the first branch's env steps meanwhile
-                for i, comps in enumerate(out[1:], 1):
-                    on_done(i, comps[0])
-            return out
-
-    def rollout(engine_type):
-        ctx = context(tokenizer, first_moves(None), max_turns=3)
-        ctx.engine = engine_type(tokenizer, first_moves(None))
-        real = ctx.env_factory
-
-        def factory():
-            env = real()
-            step = env.step
-            env.step = lambda a: stepped.set() or step(a)
-            return env
-
-        ctx.env_factory = factory
-        (tree,), _ = make_controller("grpo", G=3).rollout([task()], ctx)
-        return [(n.action, n.reward, n.end_reason) for n in tree.nodes]
-
-    at_the_end = rollout(ScriptedEngine)
-    stepped.clear()
-    assert rollout(Staggered) == at_the_end
-    assert waited and waited[0]  # in the first call, before its other completions were told
 
 
 def test_arpo_branches_when_entropy_rises(tokenizer):

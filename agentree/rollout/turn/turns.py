@@ -2,8 +2,7 @@
 
 A `Branch` is a live path of a tree: its leaf node, the exact context ids the policy conditions
 on, and an env positioned at that node's state. `TurnRunner.advance` takes one turn for every
-given branch with a single batched engine call and concurrent env steps, each branch's env
-stepping as soon as its completion ends while longer ones decode on; `TurnRunner.fork`
+given branch with a single batched engine call and concurrent env steps; `TurnRunner.fork`
 splits a branch into children that continue from the same env state via snapshot/restore, so
 the shared prefix is never re-simulated.
 
@@ -24,11 +23,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentree.engines.base import Completion, DoneSink
+from agentree.engines.base import Completion
 from agentree.envs.base import Env, ScriptedPolicy, Task, reset_task
 from agentree.rollout.base import RolloutContext, RolloutStats, call_info
 from agentree.scorers.base import Score
@@ -278,14 +277,10 @@ class TurnRunner:
         return branch
 
     # -- stepping ----------------------------------------------------------------------------
-    def generate(
-        self, branches: Sequence[Branch], on_done: DoneSink | None = None, **overrides: Any
-    ) -> list[Completion]:
-        """One completion per branch, in one engine call; `on_done(i, completion)` hears
-        branch i's as it ends (`Engine.generate`)."""
+    def generate(self, branches: Sequence[Branch], **overrides: Any) -> list[Completion]:
         params = replace(self.ctx.sampling, **overrides) if overrides else self.ctx.sampling
         before = self.ctx.engine.stats.snapshot()
-        outs = self.ctx.engine.generate([b.context for b in branches], params, on_done=on_done)
+        outs = self.ctx.engine.generate([b.context for b in branches], params)
         after = self.ctx.engine.stats.snapshot()
         self.stats.policy_tokens_generated += after["tokens_generated"] - before["tokens_generated"]
         self.stats.policy_tokens_prefilled += after["tokens_prefilled"] - before["tokens_prefilled"]
@@ -333,12 +328,15 @@ class TurnRunner:
     ) -> tuple[list[Branch], list[Branch]]:
         if not live:
             return [], ended
+        if completions is None:
+            completions = self.generate(live)
         chat = self.ctx.chat
+        actions = [
+            chat.parse_action(chat.decode_action(c.token_ids), self.ctx.tools) for c in completions
+        ]
 
-        def act(c: Completion) -> str:
-            return chat.parse_action(chat.decode_action(c.token_ids), self.ctx.tools)
-
-        def step(b: Branch, action: str) -> tuple[Any, float]:
+        def step(args: tuple[Branch, str]) -> tuple[Any, float]:
+            b, action = args
             t0 = time.perf_counter()
             try:
                 assert b.env is not None
@@ -347,23 +345,9 @@ class TurnRunner:
             except Exception as e:  # the branch ends; the rollout goes on
                 return e, time.perf_counter() - t0
 
-        actions: dict[int, str] = {}
-        steps: dict[int, Future] = {}
-
-        def start(i: int, c: Completion) -> None:
-            actions[i] = act(c)
-            steps[i] = self._pool.submit(step, live[i], actions[i])
-
-        if completions is None:
-            # each branch's env steps as soon as its completion ends, while longer ones decode
-            completions = self.generate(live, on_done=start)
-        for i, c in enumerate(completions):
-            if i not in steps:  # given completions, or an engine that tells them at the end
-                start(i, c)
-        results = [steps[i].result() for i in range(len(live))]
+        results = self._map(step, list(zip(live, actions, strict=True)))
         active: list[Branch] = []
-        for i, (b, comp, (res, dt)) in enumerate(zip(live, completions, results, strict=True)):
-            action = actions[i]
+        for b, comp, action, (res, dt) in zip(live, completions, actions, results, strict=True):
             self.stats.env_steps += 1
             self.spent[id(b.tree)] = self.spent.get(id(b.tree), 0) + 1
             node_fields: dict[str, Any] = {
