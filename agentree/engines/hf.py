@@ -6,7 +6,9 @@ every finished sequence's KV is kept in a block-hashed prefix cache; a new promp
 longest cached common prefix and only its new suffix is run through the model. Identical
 prompts within one call are prefilled once and then expanded. Rows with different cached
 lengths are batched by left-padding the cached KV and the suffixes separately, leaving masked
-holes; explicit position ids keep the maths identical to an unpadded forward.
+holes; explicit position ids keep the maths identical to an unpadded forward. Prompts that join
+a running call (`admit`, continuous batching) are prefilled as a batch of their own, whose rows
+are then added to the running one the same way.
 """
 
 from __future__ import annotations
