@@ -38,8 +38,8 @@ def engine(tiny_frozenlake):
     eng.sampled = []
     generate = eng.generate
 
-    def recording(prompts, params, **hooks):
-        outs = generate(prompts, params, **hooks)
+    def recording(prompts, params):
+        outs = generate(prompts, params)
         for p, o in zip(prompts, outs, strict=True):
             eng.sampled += [(tuple(p), tuple(c.token_ids), tuple(c.logprobs)) for c in o]
         return outs

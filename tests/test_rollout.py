@@ -11,7 +11,7 @@ from helpers import ScriptedEngine
 from transformers import AutoTokenizer
 
 from agentree.chat import ChatFormat
-from agentree.engines.base import SamplingParams, report_tokens
+from agentree.engines.base import SamplingParams
 from agentree.envs import Task, make_env
 from agentree.rollout.base import RolloutContext, RolloutStats, make_controller
 from agentree.scorers import Score, Scorer, make_scorer
@@ -243,14 +243,13 @@ def test_env_errors_end_the_branch_not_the_rollout(tokenizer):
 
 def test_arpo_branches_when_entropy_rises(tokenizer):
     class EntropyEngine(ScriptedEngine):
-        def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
+        def generate(self, prompts, params):
             out = super().generate(prompts, params)
             for p, comps in zip(prompts, out, strict=True):
                 turns = self.tokenizer.decode(list(p)).count("<|im_start|>assistant")
                 h = 1.0 if turns == 1 else 2.0 if turns == 3 else 1.0
                 for c in comps:
                     c.entropies = [h] * len(c.token_ids)
-            report_tokens(out, on_token, on_done)
             return out
 
     ctx = context(tokenizer, first_moves(None), max_turns=4)

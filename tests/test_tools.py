@@ -382,8 +382,8 @@ class RecordingEngine(ScriptedEngine):
         super().__init__(*args, **kwargs)
         self.sampled: list[list[int]] = []
 
-    def generate(self, prompts, params, on_token=None, on_done=None, admit=None):
-        outs = super().generate(prompts, params, on_token, on_done)
+    def generate(self, prompts, params):
+        outs = super().generate(prompts, params)
         self.sampled += [list(o[0].token_ids) for o in outs]
         return outs
 

@@ -13,17 +13,7 @@ from typing import Any
 
 import torch
 
-from agentree.engines.base import (
-    Admit,
-    Completion,
-    DoneSink,
-    EngineStats,
-    Params,
-    SamplingParams,
-    TokenSink,
-    per_prompt,
-    report_tokens,
-)
+from agentree.engines.base import Completion, EngineStats, Params, SamplingParams, per_prompt
 from agentree.envs.base import Env
 from agentree.rollout.base import RolloutContext
 
@@ -114,14 +104,7 @@ class ToyEngine:
     def open_session(self, prompts: Sequence[Sequence[int]], temperature: float = 1.0):
         return ToySession(self, prompts, temperature)
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: Params,
-        on_token: TokenSink | None = None,
-        on_done: DoneSink | None = None,
-        admit: Admit | None = None,  # never asked: it answers whole calls
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: Params) -> list[list[Completion]]:
         self.prompts_seen += [list(p) for p in prompts]
         unique = {tuple(p) for p in prompts}
         self.stats.tokens_prefilled += sum(len(p) for p in unique)
@@ -146,7 +129,6 @@ class ToyEngine:
                 self.stats.tokens_forward += len(toks) - 1
                 comps.append(Completion(toks, lps, finish))  # type: ignore[arg-type]
             out.append(comps)
-        report_tokens(out, on_token, on_done)
         return out
 
     def seed(self, seed: int) -> None:
