@@ -194,7 +194,7 @@ class Batcher:
         self.engine = engine
         self.max_batch = max_batch
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._held: deque[_Job | None] = deque()  # taken from the queue, not admitted: next
+        self._held: deque[_Job | None] = deque()  # taken but not admitted: served before the queue
         self._gone: set[Future] = set()  # running requests abandoned, until answered
         self._lock = threading.RLock()  # a request is answered, or abandoned, not both
         self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
