@@ -181,6 +181,10 @@ class _Job:
     future: Future
     on_token: TokenSink | None = None
 
+    @property
+    def completions(self) -> int:
+        return len(self.prompts) * self.params.n
+
 
 class Batcher:
     """Runs engine calls on one worker thread, merging the requests that wait into one call:
@@ -278,13 +282,12 @@ class Batcher:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            need = 0 if job is None else len(job.prompts) * job.params.n
-            if job is None or job.params.seed is not None or need > free:
+            if job is None or job.params.seed is not None or job.completions > free:
                 self._held.append(job)
                 break
             if job.future.set_running_or_notify_cancel():  # else abandoned while queued
                 jobs.append(job)
-                free -= need
+                free -= job.completions
         return jobs
 
     def _call(self, group: list[_Job]) -> None:
@@ -299,7 +302,7 @@ class Batcher:
 
         def add(jobs: list[_Job]) -> None:
             for j in jobs:
-                owners.extend((j, i) for i in range(len(j.prompts) * j.params.n))
+                owners.extend((j, i) for i in range(j.completions))
                 ended[id(j)] = {}
 
         add(group)
@@ -315,7 +318,7 @@ class Batcher:
             got = ended[id(job)]
             got[i] = completion
             n = job.params.n
-            if len(got) == len(job.prompts) * n:  # the request's last completion
+            if len(got) == job.completions:  # the request's last completion
                 answer = [[got[p * n + k] for k in range(n)] for p in range(len(job.prompts))]
                 self._answer(job, answer)
 

@@ -152,11 +152,11 @@ was not admitted for a later call."""
 
 
 def admitted(
-    admit: Admit | None, free: int, seed: int | None
+    admit: Admit, free: int, seed: int | None
 ) -> list[tuple[Sequence[int], SamplingParams]]:
-    """What `admit` lets join a call now, each prompt with its params: nothing without the
-    hook or without room; checked as `per_prompt` checks a call, against the call's seed."""
-    if admit is None or free <= 0:
+    """What `admit` lets join a call now, each prompt with its params: nothing without room;
+    checked as `per_prompt` checks a call, against the call's seed."""
+    if free <= 0:
         return []
     got = admit(free)
     if not got or not got[0]:
@@ -165,8 +165,9 @@ def admitted(
     each = per_prompt(prompts, params)
     if each[0].seed != seed:
         raise ValueError("prompts admitted into an engine call must carry the call's seed")
-    if sum(p.n for p in each) > free:
-        raise ValueError(f"admitted {sum(p.n for p in each)} completions where {free} fit")
+    count = sum(p.n for p in each)
+    if count > free:
+        raise ValueError(f"admitted {count} completions where {free} fit")
     return list(zip(prompts, each, strict=True))
 
 

@@ -368,6 +368,7 @@ class HFEngine:
         done: list[Completion | None] = [None] * sum(ps.n for ps in each)
 
         def more(free: int) -> list[_Prompt]:
+            assert admit is not None
             joined = admitted(admit, free, seed)
             first = len(done)
             asked.extend(joined)
@@ -387,8 +388,9 @@ class HFEngine:
                 ):
                     width += len(groups[stop].rows)
                     stop += 1
-                last = stop == len(groups)  # only the last batch admits: none waits behind it
-                self._decode(groups[start:stop], done, on_token, on_done, more if last else None)
+                # only the last batch admits: none waits behind it
+                joins = more if admit is not None and stop == len(groups) else None
+                self._decode(groups[start:stop], done, on_token, on_done, joins)
                 start = stop
         finally:
             self.model.train(was_training)

@@ -196,6 +196,7 @@ class VLLMEngine:
         counts = [ps.n for ps in each]  # completions of each prompt, admitted ones after
 
         def more(free: int) -> _Requests:
+            assert admit is not None
             joined = admitted(admit, free, seed)
             counts.extend(ps.n for _, ps in joined)
             return self._requests(joined, rng)
