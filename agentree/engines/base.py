@@ -58,6 +58,20 @@ def per_prompt(prompts: Sequence[Sequence[int]], params: Params) -> list[Samplin
     return each
 
 
+def room_to_generate(prompt: Sequence[int], max_model_len: int) -> int:
+    """Tokens a completion of `prompt` may have within the context length, as every engine
+    counts them; an empty prompt, or one that leaves no room, is an error."""
+    if not prompt:
+        raise ValueError("cannot generate from an empty prompt")
+    room = max_model_len - len(prompt)
+    if room <= 0:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens leaves no room to generate (max_model_len "
+            f"{max_model_len})"
+        )
+    return room
+
+
 @dataclass
 class Completion:
     token_ids: list[int]

@@ -33,6 +33,7 @@ from agentree.engines.base import (
     TokenSink,
     admitted,
     per_prompt,
+    room_to_generate,
 )
 from agentree.hub.load import load_policy
 
@@ -448,12 +449,8 @@ class HFEngine:
         self, batch: _Batch | None, rows: list[_Row], groups: list[_Prompt]
     ) -> tuple[_Batch, list[_Row]]:
         """`batch` and its `rows` with `groups` prefilled and added (a new batch for None)."""
-        longest = max(len(g.prompt) for g in groups)
-        if longest >= self._max_len:
-            raise ValueError(
-                f"prompt of {longest} tokens leaves no room to generate (max_model_len "
-                f"{self._max_len})"
-            )
+        # each row's positions are its own: its room is what its prompt leaves
+        rooms = [room_to_generate(g.prompt, self._max_len) for g in groups]
         new = _Batch(self, [g.prompt for g in groups])
         owner = [u for u, g in enumerate(groups) for _ in g.rows]
         if len(owner) > len(groups):
@@ -464,12 +461,11 @@ class HFEngine:
             _Row(
                 label=label,
                 params=ps,
-                # each row's positions are its own: its room is what its prompt leaves
-                limit=min(ps.max_tokens, self._max_len - len(g.prompt)),
+                limit=min(ps.max_tokens, room),
                 stops=set(ps.stop_token_ids) | eos,
                 stop_text=texts.setdefault(ps.stop, _StopText(self.tokenizer, ps.stop)),
             )
-            for g in groups
+            for g, room in zip(groups, rooms, strict=True)
             for ps, label in g.rows
         ]
         if batch is None:
@@ -539,8 +535,6 @@ def _distinct(asked: Sequence[tuple[Sequence[int], SamplingParams]], first: int)
     `first` on, prompt by prompt, `n` each: a repeated prompt is prefilled once."""
     groups: dict[tuple[int, ...], _Prompt] = {}
     for p, ps in asked:
-        if not p:
-            raise ValueError("cannot generate from an empty prompt")
         group = groups.setdefault(tuple(p), _Prompt(list(p), []))
         group.rows += [(ps, first + k) for k in range(ps.n)]
         first += ps.n

@@ -87,6 +87,7 @@ from agentree.engines.base import (
     TokenSink,
     admitted,
     per_prompt,
+    room_to_generate,
 )
 
 _Requests = tuple[list[list[int]], list[Any], list[SamplingParams]]
@@ -223,14 +224,7 @@ class VLLMEngine:
         vLLM sampling params (seeded from `rng`) and the params it came with."""
         inputs, sps, params = [], [], []
         for p, ps in asked:
-            if not p:
-                raise ValueError("cannot generate from an empty prompt")
-            room = self._max_len - len(p)
-            if room <= 0:
-                raise ValueError(
-                    f"prompt of {len(p)} tokens leaves no room to generate (max_model_len "
-                    f"{self._max_len})"
-                )
+            room = room_to_generate(p, self._max_len)
             k = max(ps.logprobs, self.entropy_topk if ps.entropy else 0)
             for _ in range(ps.n):
                 inputs.append(list(p))
