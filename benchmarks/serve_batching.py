@@ -2,8 +2,8 @@
 requests (`--max-tokens` cycled, each value twice by default) are queued at once on one
 `Batcher` over the transformers engine, or one every `--arrival` seconds (requests arriving
 while a call runs), and the benchmark reports the engine calls made, the requests that joined
-a running call, the time until every request was answered and each request's latency (from
-its own submission).
+a running call, the time until every request was answered, each request's latency (from its
+own submission) and the process's peak resident memory over the round (Linux).
 
     python benchmarks/serve_batching.py [--policy smollm2-135m] [--max-tokens 16,32,64,128]
                                         [--requests 8] [--repeats 2] [--arrival 0.5]
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 from agentree.commands.serve_api import Batcher
 from agentree.engines.base import SamplingParams
@@ -28,11 +29,24 @@ from agentree.hub.pretrained import local_policy
 from agentree.signals import interrupt_on_sigterm
 
 
+def peak_rss_gib(reset: bool = False) -> float | None:
+    """The process's peak resident memory since the last reset (Linux `VmHWM`), in GiB."""
+    try:
+        if reset:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak to the current
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+    return kib / 2**20
+
+
 def one_round(
     engine: HFEngine, prompts: list[list[int]], limits: list[int], arrival: float
 ) -> dict:
     """Request i submitted `i * arrival` seconds in; (wall seconds, calls, requests that joined
-    a running call, latencies, lengths)."""
+    a running call, latencies, lengths, peak resident memory)."""
+    peak_rss_gib(reset=True)
     batcher = Batcher(engine)
     try:
         t0 = time.perf_counter()
@@ -59,6 +73,7 @@ def one_round(
         "mean_latency_s": sum(latency) / len(latency),
         "latency_s": latency,
         "lengths": lengths,
+        "peak_rss_gib": peak_rss_gib(),
     }
 
 
@@ -102,14 +117,15 @@ def main() -> None:
     )
     print(
         "| round | engine calls | joined a running call | all answered (s) | mean latency (s) "
-        "| latency by request (s) |"
+        "| peak memory (GiB) | latency by request (s) |"
     )
-    print("|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     for k, r in enumerate(rounds):
         each = " ".join(f"{x:.1f}" for x in r["latency_s"])
+        rss = "n/a" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
         print(
             f"| {k} | {r['calls']} | {r['joined']} | {r['wall_s']:.2f} | "
-            f"{r['mean_latency_s']:.2f} | {each} |"
+            f"{r['mean_latency_s']:.2f} | {rss} | {each} |"
         )
     print(f"lengths: {rounds[0]['lengths']}")
     if args.json:

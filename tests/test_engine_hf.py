@@ -262,6 +262,36 @@ def test_prompts_admitted_mid_call_get_what_calls_of_their_own_give(hf_engine):
         )
 
 
+def test_a_call_that_prompts_keep_joining_stays_as_wide_as_its_live_rows_need(
+    hf_engine, monkeypatch
+):
+    """One prompt joins at every step for 40 steps: the running batch sheds the columns only
+    its ended rows attended to, so it never grows wider than a live row needs (its prompt and
+    its tokens, and a joiner's), where it would otherwise grow a column a step; every joiner
+    still gets what a call of its own gives."""
+    _, ps = prompts(hf_engine, 3)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
+    widths: list[int] = []
+    forward = _Batch._forward
+
+    def recorded(batch, ids, positions):
+        widths.append(batch.mask.shape[1])
+        return forward(batch, ids, positions)
+
+    monkeypatch.setattr(_Batch, "_forward", recorded)
+    joiners = [ps[k % 3] for k in range(40)]
+    out = hf_engine.generate(
+        [ps[0]], sp, admit=lambda _free: ([joiners.pop(0)], sp) if joiners else None
+    )
+    assert len(out) == 41
+    assert max(widths) <= max(map(len, ps)) + 2 * sp.max_tokens
+    alone = [hf_engine.generate([p], sp)[0][0] for p in ps]
+    for k, (got,) in enumerate(out):
+        want = alone[0 if k == 0 else (k - 1) % 3]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
 def test_params_per_prompt_keep_one_seed_and_one_count(hf_engine):
     _, ps = prompts(hf_engine, 2)
     with pytest.raises(ValueError, match="one seed"):

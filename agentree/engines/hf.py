@@ -8,7 +8,8 @@ prompts within one call are prefilled once and then expanded. Rows with differen
 lengths are batched by left-padding the cached KV and the suffixes separately, leaving masked
 holes; explicit position ids keep the maths identical to an unpadded forward. Prompts that join
 a running call (`admit`, continuous batching) are prefilled as a batch of their own, whose rows
-are then added to the running one the same way.
+are then added to the running one the same way, after the running batch has dropped the columns
+that only its ended rows attended to.
 """
 
 from __future__ import annotations
@@ -217,10 +218,15 @@ class _Batch:
 
     def extend(self, other: _Batch) -> None:
         """Add `other`'s rows after these: the shorter cache is left-padded to the longer one
-        (the padding masked), so every row keeps its own positions."""
+        (the padding masked), so every row keeps its own positions. The columns no row of
+        this batch attends to any more go first: a call that prompts keep joining would
+        otherwise grow one column a step for as long as it runs, its rows' own needs aside."""
         # deferred: as in __init__
         from transformers import DynamicCache
 
+        used = self.mask.any(0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        self.mask = self.mask[:, first:]
         width = max(self.mask.shape[1], other.mask.shape[1])
 
         def padded(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -230,8 +236,8 @@ class _Batch:
 
         layers = [
             (
-                torch.cat([padded(a.keys, 2), padded(b.keys, 2)]),
-                torch.cat([padded(a.values, 2), padded(b.values, 2)]),
+                torch.cat([padded(a.keys[:, :, first:], 2), padded(b.keys, 2)]),
+                torch.cat([padded(a.values[:, :, first:], 2), padded(b.values, 2)]),
             )
             for a, b in zip(self.cache.layers, other.cache.layers, strict=True)
         ]
