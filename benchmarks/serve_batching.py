@@ -8,6 +8,9 @@ own submission) and the process's peak resident memory over the round (Linux).
     python benchmarks/serve_batching.py [--policy smollm2-135m] [--max-tokens 16,32,64,128]
                                         [--requests 8] [--repeats 2] [--arrival 0.5]
 
+`--policy` takes what `agentree serve --policy` takes (`tiny` and `tiny-warm` are the default
+config's FrozenLake policies).
+
 The prompts ask for long stories, so that each request runs to its own `max_tokens` (the
 table prints the lengths). Requests are submitted to the batcher directly (no HTTP), so the
 figure is the batching alone. Run it on a quiet machine; compare two checkouts by running the
@@ -23,9 +26,10 @@ import time
 from pathlib import Path
 
 from agentree.commands.serve_api import Batcher
+from agentree.config import load_config
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine
-from agentree.hub.pretrained import local_policy
+from agentree.policy import resolve_policy
 from agentree.signals import interrupt_on_sigterm
 
 
@@ -90,7 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     limits = [int(x) for x in args.max_tokens.split(",")]
     limits = [limits[i % len(limits)] for i in range(args.requests)]
-    engine = HFEngine.from_pretrained(local_policy(args.policy), seed=0)
+    policy = resolve_policy(load_config(None, select={"policy": args.policy}), print)
+    engine = HFEngine.from_pretrained(policy, seed=0)
     try:
         tok = engine.tokenizer
         prompts = [
@@ -112,22 +117,25 @@ def main() -> None:
     finally:
         engine.close()
     print(
-        f"# policy {args.policy}, {args.requests} requests, max_tokens {limits}, one every "
-        f"{args.arrival} s, load {os.getloadavg()[0]:.2f}"
+        f"# policy {args.policy}, {args.requests} requests, max_tokens {args.max_tokens} "
+        f"cycled, one every {args.arrival} s, load {os.getloadavg()[0]:.2f}"
     )
     print(
-        "| round | engine calls | joined a running call | all answered (s) | mean latency (s) "
-        "| peak memory (GiB) | latency by request (s) |"
+        "| round | engine calls | joined a running call | all answered (s) | requests/s "
+        "| mean latency (s) | peak memory (GiB) | latency by request (s) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for k, r in enumerate(rounds):
-        each = " ".join(f"{x:.1f}" for x in r["latency_s"])
+        lat = r["latency_s"]
+        each = " ".join(f"{x:.1f}" for x in lat) if len(lat) <= 64 else "(in --json)"
         rss = "n/a" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
+        rate = len(lat) / r["wall_s"]
         print(
-            f"| {k} | {r['calls']} | {r['joined']} | {r['wall_s']:.2f} | "
+            f"| {k} | {r['calls']} | {r['joined']} | {r['wall_s']:.2f} | {rate:.1f} | "
             f"{r['mean_latency_s']:.2f} | {rss} | {each} |"
         )
-    print(f"lengths: {rounds[0]['lengths']}")
+    if len(limits) <= 64:
+        print(f"lengths: {rounds[0]['lengths']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -587,6 +587,38 @@ def test_requests_that_arrive_mid_call_join_it(server) -> None:
         assert answered[-1]
 
 
+def test_a_call_takes_in_at_most_max_call_requests(server) -> None:
+    """Under steady load a call would run, and keep every request's prompt and completions,
+    for as long as requests keep coming: past `max_call` requests it admits no more, ends when
+    its rows do, and the waiting requests start the next call."""
+    engine = server.api.engine
+    tok = server.api.tokenizer
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    prompts = [tok.encode(f"_ {i} P") for i in range(8)]
+
+    class Gated:  # the real engine; the first call waits until every request is queued
+        def __init__(self) -> None:
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def generate(self, *args, **kwargs):
+            self.entered.set()
+            self.gate.wait(30)
+            return engine.generate(*args, **kwargs)
+
+    for max_call, calls, admitted in ((3, 3, 3), (100, 1, 7)):
+        gated = Gated()
+        batcher = Batcher(gated, max_batch=2, max_call=max_call)  # type: ignore[arg-type]
+        futures = [batcher.submit([prompts[0]], greedy)]
+        assert gated.entered.wait(30)
+        futures += [batcher.submit([p], greedy) for p in prompts[1:]]
+        gated.gate.set()
+        answers = [f.result() for f in futures]
+        batcher.close()
+        assert (batcher.calls, batcher.admitted) == (calls, admitted)
+        for p, ((got,),) in zip(prompts, answers, strict=True):
+            assert got.token_ids == engine_greedy(server, p, 4)
+
+
 def test_add_serve_command_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="agentree")
     add_serve_command(parser.add_subparsers(dest="command"))

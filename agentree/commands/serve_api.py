@@ -192,11 +192,15 @@ class Batcher:
     `seed` runs alone, since a call draws from one seed. Requests that arrive while a call
     runs join it between its steps (`Engine.generate`'s `admit`, continuous batching) on an
     engine that decodes step by step, in order, until one cannot (it has a seed or does not
-    fit): that one, and every later one, waits for the call to end."""
+    fit): that one, and every later one, waits for the call to end. A call takes in at most
+    `max_call` requests, its own and those that join: it keeps each one's prompt and
+    completions until it returns, so under steady load it then admits no more and ends when
+    its rows do, and the waiting requests start the next."""
 
-    def __init__(self, engine: Engine, max_batch: int = 64) -> None:
+    def __init__(self, engine: Engine, max_batch: int = 64, max_call: int = 1024) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        self.max_call = max_call
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._held: deque[_Job | None] = deque()  # taken but not admitted: served before the queue
         self._gone: set[Future] = set()  # running requests abandoned, until answered
@@ -299,6 +303,7 @@ class Batcher:
         # completion index of the merged call -> (its job, its index in that job)
         owners: list[tuple[_Job, int]] = []
         ended: dict[int, dict[int, Completion]] = {}
+        answered = 0  # requests of the call answered as their last completion ended
 
         def add(jobs: list[_Job]) -> None:
             for j in jobs:
@@ -314,6 +319,7 @@ class Batcher:
             return job.future in self._gone
 
         def done(index: int, completion: Completion) -> None:
+            nonlocal answered
             job, i = owners[index]
             got = ended[id(job)]
             got[i] = completion
@@ -321,10 +327,11 @@ class Batcher:
             if len(got) == job.completions:  # the request's last completion
                 answer = [[got[p * n + k] for k in range(n)] for p in range(len(job.prompts))]
                 self._answer(job, answer)
+                answered += 1
 
         def admit(free: int) -> tuple[list[list[int]], list[SamplingParams]] | None:
-            running = sum(not j.future.done() for j in group)
-            jobs = self._admit(free, self.max_batch - running)
+            running = len(group) - answered
+            jobs = self._admit(free, min(self.max_batch - running, self.max_call - len(group)))
             if not jobs:
                 return None
             group.extend(jobs)  # their completions are numbered, and returned, after these
