@@ -46,12 +46,16 @@ def peak_rss_gib(reset: bool = False) -> float | None:
 
 
 def one_round(
-    engine: HFEngine, prompts: list[list[int]], limits: list[int], arrival: float
+    engine: HFEngine,
+    prompts: list[list[int]],
+    limits: list[int],
+    arrival: float,
+    max_call: int | None = None,
 ) -> dict:
     """Request i submitted `i * arrival` seconds in; (wall seconds, calls, requests that joined
     a running call, latencies, lengths, peak resident memory)."""
     peak_rss_gib(reset=True)
-    batcher = Batcher(engine)
+    batcher = Batcher(engine) if max_call is None else Batcher(engine, max_call=max_call)
     try:
         t0 = time.perf_counter()
         took: dict[int, float] = {}
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument(
         "--arrival", type=float, default=0.0, help="seconds between submissions (0: at once)"
     )
+    ap.add_argument(
+        "--max-call", type=int, help="requests one engine call takes in (the batcher's default)"
+    )
     ap.add_argument("--json", help="also write the rounds to this file")
     args = ap.parse_args()
     limits = [int(x) for x in args.max_tokens.split(",")]
@@ -112,8 +119,11 @@ def main() -> None:
             )
             for i in range(args.requests)
         ]
-        one_round(engine, prompts, limits, 0.0)  # warm-up, not reported
-        rounds = [one_round(engine, prompts, limits, args.arrival) for _ in range(args.repeats)]
+        one_round(engine, prompts, limits, 0.0, args.max_call)  # warm-up, not reported
+        rounds = [
+            one_round(engine, prompts, limits, args.arrival, args.max_call)
+            for _ in range(args.repeats)
+        ]
     finally:
         engine.close()
     print(
