@@ -202,7 +202,9 @@ class TrainConfig(_Section):
     trees_every: int = Field(10, ge=0)
     """Write the step's trees to trees/ every N steps (0: never)."""
     eval_every: int = Field(0, ge=0)
-    """Held-out evaluation every N steps (0: only before and after training)."""
+    """Held-out evaluation every N steps (0: only before and after training). An evaluation
+    seeds the rollout engine with its own seed, and the steps after it draw on from there: two
+    runs that evaluate at different steps train on different draws (equal in distribution)."""
     max_minutes: float = Field(0.0, ge=0)
     """Stop after the first step that ends past this many minutes of training (0: no limit),
     then evaluate and save as at the last step. The clock counts rollouts, updates and
