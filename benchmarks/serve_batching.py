@@ -23,7 +23,8 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
+
+from train_memory import peak_rss_mib, reset_peak_rss
 
 from agentree.commands.serve_api import Batcher
 from agentree.config import load_config
@@ -31,18 +32,6 @@ from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine
 from agentree.policy import resolve_policy
 from agentree.signals import interrupt_on_sigterm
-
-
-def peak_rss_gib(reset: bool = False) -> float | None:
-    """The process's peak resident memory since the last reset (Linux `VmHWM`), in GiB."""
-    try:
-        if reset:
-            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak to the current
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-    return kib / 2**20
 
 
 def one_round(
@@ -54,7 +43,7 @@ def one_round(
 ) -> dict:
     """Request i submitted `i * arrival` seconds in; (wall seconds, calls, requests that joined
     a running call, latencies, lengths, peak resident memory)."""
-    peak_rss_gib(reset=True)
+    reset_peak_rss()
     batcher = Batcher(engine) if max_call is None else Batcher(engine, max_call=max_call)
     try:
         t0 = time.perf_counter()
@@ -81,7 +70,7 @@ def one_round(
         "mean_latency_s": sum(latency) / len(latency),
         "latency_s": latency,
         "lengths": lengths,
-        "peak_rss_gib": peak_rss_gib(),
+        "peak_rss_gib": peak_rss_mib() / 1024,
     }
 
 
@@ -138,11 +127,10 @@ def main() -> None:
     for k, r in enumerate(rounds):
         lat = r["latency_s"]
         each = " ".join(f"{x:.1f}" for x in lat) if len(lat) <= 64 else "(in --json)"
-        rss = "n/a" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
         rate = len(lat) / r["wall_s"]
         print(
             f"| {k} | {r['calls']} | {r['joined']} | {r['wall_s']:.2f} | {rate:.1f} | "
-            f"{r['mean_latency_s']:.2f} | {rss} | {each} |"
+            f"{r['mean_latency_s']:.2f} | {r['peak_rss_gib']:.2f} | {each} |"
         )
     if len(limits) <= 64:
         print(f"lengths: {rounds[0]['lengths']}")

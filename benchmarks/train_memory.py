@@ -98,6 +98,11 @@ def peak_rss_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
+def reset_peak_rss() -> None:
+    """Start `peak_rss_mib` again from the current RSS (Linux `clear_refs` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
