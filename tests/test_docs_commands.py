@@ -1,11 +1,11 @@
 """Every `agentree` command in a code block of the README or `docs/` must still be accepted.
 
-A command is parsed by the CLI's own parser; for `train`, `rollout`, `eval` and `sft` the config
-it selects is loaded as the command would load it, which validates every `--config`, `--env`,
-`--rollout`, `--scorer` and `--set key=value` against the components' config types. Nothing is
-run. An upper-case word standing alone or after `=` (`DIR`, `PATH`, `seed=S`) is a placeholder
-for a value of the user's; usage synopses (`[--flag ...]`, `a|b`) are not commands. The env
-example's command (`--env mypkg.guess:GuessEnv`) needs the module the README writes, so
+A command is parsed by the CLI's own parser; for `train`, `rollout`, `eval`, `sft` and `serve`
+the config it selects is loaded as the command would load it, which validates every `--config`,
+`--env`, `--rollout`, `--scorer` and `--set key=value` against the components' config types.
+Nothing is run. An upper-case word standing alone or after `=` (`DIR`, `PATH`, `seed=S`) is a
+placeholder for a value of the user's; usage synopses (`[--flag ...]`, `a|b`) are not commands.
+The env example's command (`--env mypkg.guess:GuessEnv`) needs the module the README writes, so
 `tests/test_readme_env.py` runs it for real instead.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from agentree.commands.cli import _load, build_parser
+from agentree.commands.serve import serve_config
 from agentree.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +73,5 @@ def test_a_documented_command_is_accepted(where: str, command: str):
         load_config(
             args.config, select={"env": args.env, "policy": args.policy}, overrides=args.set
         )
+    elif args.command == "serve":
+        serve_config(args.policy, env=args.env, config=args.config, overrides=args.set)

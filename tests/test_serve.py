@@ -19,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from helpers import interruptible
 
 from agentree.commands.serve import Batcher, add_serve_command, start_server
@@ -737,6 +738,47 @@ def test_serve_resolves_tiny_warm_as_train_does() -> None:
         assert r.usage.completion_tokens >= 1
     finally:
         handle.close()
+
+
+def test_serve_runs_the_configs_settings_with_set_overrides_and_given_flags(
+    tmp_path, capsys
+) -> None:
+    """`--config` and `--set` reach the server as they reach `agentree train` (the policy's
+    dtype, the engine's batch size, prefix cache and seed), a flag that is given replaces the
+    config's setting and one that is not leaves it; `--max-batch`/`--max-call` bound the
+    batcher's calls."""
+    from agentree.commands.serve import main, serve_config
+
+    run = tmp_path / "run.yaml"
+    run.write_text("seed: 7\npolicy:\n  dtype: bfloat16\nengine:\n  max_batch_size: 8\n")
+    handle = start_server(
+        "tiny",
+        config=str(run),
+        overrides=["engine.prefix_cache_mb=0", "engine.backend=transformers"],
+        max_batch=5,
+        max_call=9,
+        log_fn=lambda m: None,
+    )
+    try:
+        engine = handle.api.engine
+        assert engine.model.dtype == torch.bfloat16
+        assert (engine.max_batch_size, engine.prefix_cache.budget) == (8, 0)
+        assert engine.generator.initial_seed() == 7
+        assert (handle.api.batcher.max_batch, handle.api.batcher.max_call) == (5, 9)
+        c = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="tiny", prompt="P _ G", max_tokens=3, temperature=0)
+        c.close()
+        assert r.usage.completion_tokens >= 1
+    finally:
+        handle.close()
+    cfg = serve_config("tiny", config=str(run), dtype="float32", seed=1)
+    assert (cfg.policy.dtype, cfg.seed, cfg.engine.max_batch_size) == ("float32", 1, 8)
+    assert serve_config("tiny").engine.backend == "auto"  # the default config names none
+    assert serve_config("tiny", overrides=["engine.backend=vllm"]).engine.backend == "vllm"
+    assert main(["--port", "0", "--set", "engine.max_batch_size=0"]) == 2
+    assert "engine.max_batch_size" in capsys.readouterr().err
+    assert main(["--port", "0", "--max-call", "0", "--backend", "transformers"]) == 2
+    assert "max_call=0" in capsys.readouterr().err
 
 
 def test_serve_renders_requests_with_tools_in_the_policys_call_format(server, capsys) -> None:

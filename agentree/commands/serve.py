@@ -26,9 +26,10 @@ share a batched forward pass. The engine is only touched by that one worker thre
 The policy is resolved as `agentree train` and `eval` resolve it (`agentree.policy.
 resolve_policy`: `tiny`, `tiny-warm`, `warm`, a checkpoint, a hub id). The engine is built by
 `agentree.policy.build_engine` from the config's `engine` section (its prefix cache and batch
-size too), with no trainable copy: `auto` (the default) serves with vLLM (`VLLMEngine`, prefix
-caching, continuous batching) when vLLM is installed and with the transformers engine (`HFEngine`)
-otherwise; `--backend transformers|vllm` forces one. SIGTERM and Ctrl-C stop the server
+size too; `--config` and `--set` as for train), with no trainable copy: `auto` (the default
+unless the config names a backend) serves with vLLM (`VLLMEngine`, prefix caching, continuous
+batching) when vLLM is installed and with the transformers engine (`HFEngine`) otherwise;
+`--backend transformers|vllm` forces one. SIGTERM and Ctrl-C stop the server
 gracefully: requests in flight are answered, then the engine is closed (a vLLM engine's child
 processes with it).
 """
@@ -44,12 +45,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentree.commands.serve_api import MAX_BODY_BYTES, APIError, Batcher, OpenAIServer
-from agentree.config import load_config
+from agentree.config import ExperimentConfig, load_config
 from agentree.policy import build_engine, resolve_policy
 from agentree.signals import interrupt_on_sigterm
 from agentree.tools import CALL_FORMATS
 
-__all__ = ["APIError", "Batcher", "OpenAIServer", "ServerHandle", "serve", "start_server"]
+__all__ = [
+    "APIError",
+    "Batcher",
+    "OpenAIServer",
+    "ServerHandle",
+    "serve",
+    "serve_config",
+    "start_server",
+]
 
 
 # -- HTTP server ---------------------------------------------------------------------------------
@@ -145,43 +154,33 @@ def require_serve_extra() -> None:
 
 
 # -- assembly --------------------------------------------------------------------------------------
-def start_server(
+def serve_config(
     policy: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
     *,
-    backend: str = "auto",
-    served_model_name: str | None = None,
-    dtype: str = "auto",
-    device: str = "auto",
-    seed: int = 0,
-    default_max_tokens: int = 256,
-    max_batch: int = 64,
     env: str | None = None,
     config: str | None = None,
-    idle_timeout: float = 5.0,
-    max_body_bytes: int = MAX_BODY_BYTES,
-    vllm_kwargs: dict[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    backend: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    seed: int | None = None,
     tool_format: str | None = None,
-    log_fn: Callable[[str], None] = print,
-) -> ServerHandle:
-    """Load the policy and serve it from a background thread; `close()` the handle when done.
-
-    `policy` is resolved as `agentree train` resolves `--policy` (with `env` and `config`
-    choosing the env a `tiny`/`tiny-warm` policy is built for). Requests with tools are rendered
-    and read back in `tool_format`, by default the config's `policy.tool_format`: the format
-    the policy was trained to write its calls in."""
-    require_serve_extra()  # before a model is loaded
-    cfg = load_config(config, select={"policy": policy, "env": env})
-    cfg = cfg.model_validate(
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> ExperimentConfig:
+    """The config a server runs: `config` (or `env`'s default) with `policy` selected and the
+    `--set` `overrides` applied as `agentree train` applies them; then each option that is
+    given replaces the config's. The backend is `auto` unless the config names one."""
+    cfg = load_config(config, select={"policy": policy, "env": env}, overrides=list(overrides))
+    if backend is None:
+        backend = cfg.engine.backend if "backend" in cfg.engine.model_fields_set else "auto"
+    given = {"dtype": dtype, "device": device, "tool_format": tool_format}
+    return cfg.model_validate(
         {
             **cfg.model_dump(),
-            "seed": seed,
+            "seed": cfg.seed if seed is None else seed,
             "policy": {
                 **cfg.policy.model_dump(),
-                "dtype": dtype,
-                "device": device,
-                "tool_format": tool_format or cfg.policy.tool_format,
+                **{k: v for k, v in given.items() if v is not None},
             },
             "engine": {
                 **cfg.engine.model_dump(),
@@ -190,18 +189,46 @@ def start_server(
             },
         }
     )
+
+
+def start_server(
+    policy: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    served_model_name: str | None = None,
+    default_max_tokens: int = 256,
+    max_batch: int = 64,
+    max_call: int = 1024,
+    idle_timeout: float = 5.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    log_fn: Callable[[str], None] = print,
+    **settings: Any,
+) -> ServerHandle:
+    """Load the policy and serve it from a background thread; `close()` the handle when done.
+
+    `settings` (`env`, `config`, `overrides`, `backend`, `dtype`, `device`, `seed`,
+    `tool_format`, `vllm_kwargs`) choose the config as `serve_config` says: `policy` is
+    resolved as `agentree train` resolves `--policy` (`env` and `config` choose the env a
+    `tiny`/`tiny-warm` policy is built for), the engine is built from the config's `engine`
+    section, and requests with tools are rendered and read back in the config's
+    `policy.tool_format`, the format the policy was trained to write its calls in. A call of
+    the batcher merges at most `max_batch` waiting requests and takes in at most `max_call`
+    (`Batcher`)."""
+    require_serve_extra()  # before a model is loaded
+    cfg = serve_config(policy, **settings)
     path = resolve_policy(cfg, log_fn)
     engine, _model, tokenizer = build_engine(cfg, path, trainable=False)
-    name = served_model_name or policy
     api: OpenAIServer | None = None
     try:
         api = OpenAIServer(
             engine,
             tokenizer,
-            name,
+            served_model_name or cfg.policy.path,
             default_max_tokens=default_max_tokens,
             max_batch=max_batch,
-            aliases=[policy, path],
+            max_call=max_call,
+            aliases=[cfg.policy.path, path],
             tool_format=cfg.policy.tool_format,
         )
         handle = ServerHandle(
@@ -257,9 +284,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     p.add_argument(
         "--backend",
-        default="auto",
+        default=None,
         choices=["auto", "transformers", "vllm"],
-        help="auto: vLLM when installed, else transformers",
+        help="auto (the default, unless the config names one): vLLM when installed, else "
+        "transformers",
     )
     p.add_argument(
         "--gpu-memory-utilization",
@@ -269,9 +297,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM backend: context cap")
     p.add_argument("--served-model-name", default=None, help="model id clients send")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="model dtype (default: the config's, auto)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the config's, auto)")
+    p.add_argument("--seed", type=int, default=None, help="engine seed (default: the config's)")
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -279,7 +307,27 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="completion budget of chat requests that give none",
     )
     p.add_argument("--env", default=None, help="env whose tiny policy --policy tiny builds")
-    p.add_argument("--config", default=None, help="config whose tiny policy settings to use")
+    p.add_argument("--config", default=None, help="config whose policy and engine settings to use")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, as for train (e.g. engine.max_batch_size=32)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=64,
+        help="waiting requests merged into one engine call (default 64)",
+    )
+    p.add_argument(
+        "--max-call",
+        type=int,
+        default=1024,
+        help="requests one engine call takes in, joiners included, before the next call "
+        "starts (default 1024)",
+    )
     p.add_argument(
         "--tool-format",
         default=None,
@@ -301,8 +349,11 @@ def run_serve_command(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
         default_max_tokens=args.max_tokens,
+        max_batch=args.max_batch,
+        max_call=args.max_call,
         env=args.env,
         config=args.config,
+        overrides=args.set,
         vllm_kwargs=_vllm_options(args),
         tool_format=args.tool_format,
     )

@@ -198,6 +198,10 @@ class Batcher:
     its rows do, and the waiting requests start the next."""
 
     def __init__(self, engine: Engine, max_batch: int = 64, max_call: int = 1024) -> None:
+        if max_batch < 1 or max_call < 1:
+            raise ValueError(
+                f"a call takes at least one request: max_batch={max_batch}, max_call={max_call}"
+            )
         self.engine = engine
         self.max_batch = max_batch
         self.max_call = max_call
@@ -381,6 +385,7 @@ class OpenAIServer:
         *,
         default_max_tokens: int = 256,
         max_batch: int = 64,
+        max_call: int = 1024,
         aliases: Sequence[str] = (),
         tool_format: str = "hermes",
     ) -> None:
@@ -392,7 +397,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.names = {model_name, *aliases}
         self.default_max_tokens = default_max_tokens
-        self.batcher = Batcher(engine, max_batch)
+        self.batcher = Batcher(engine, max_batch, max_call)
         self.created = int(time.time())
 
     # -- endpoints -------------------------------------------------------------------------------
