@@ -451,3 +451,36 @@ def test_dry_run_counts_a_bf16_frozen_base_under_lora():
     e = estimate(load_config(recipe, overrides=["train.lora.r=16", "train.world_size=4"]))
     n = e["params"]
     assert e["per_rank"]["weights"] == (2 * n["total"] + 4 * n["lora"]) / 4
+
+
+def test_dry_run_counts_the_engines_where_the_run_places_them():
+    """A local transformers engine samples from the trainer's weights (no copy); a vLLM engine
+    holds a copy in the policy's dtype beside its KV cache; on Ray each engine replica, or the
+    engine of each rollout worker, holds one."""
+    from agentree.run.plan import GIB, dry_run, estimate
+
+    def engine_line(*overrides: str, config: str | None = None) -> tuple[str, int]:
+        cfg = load_config(config, overrides=list(overrides))
+        out = dry_run(cfg).splitlines()
+        return out[-1].strip(), estimate(cfg)["params"]["total"]
+
+    line, _ = engine_line()
+    assert line == (
+        "engine on rank 0: samples from the trainer's weights (no copy); cached prefix KV up to "
+        "engine.prefix_cache_mb (1024 MiB)"
+    )
+    root = Path(__file__).parent.parent
+    line, p = engine_line(config=str(root / "agentree/configs/frozenlake_patr_qwen2.5_0.5b.yaml"))
+    assert line == (
+        f"engine weights (bfloat16): {2 * p / GIB:.2f} GiB on rank 0, its own copy; vLLM adds "
+        "its KV cache (engine.vllm.gpu_memory_utilization)"
+    )
+    line, p = engine_line("engine.backend=vllm", "policy.dtype=float32")
+    assert line.startswith(f"engine weights (float32): {4 * p / GIB:.2f} GiB on rank 0, its own")
+    line, _ = engine_line("distributed.backend=ray", "distributed.rollout_workers=3")
+    assert line.startswith(
+        "engine weights (auto, bf16 on a GPU): 0.00 GiB on each of the 3 rollout workers, each "
+        "its own copy; cached prefix KV"
+    )
+    line, _ = engine_line("distributed.backend=ray", "distributed.engine_gpus=1")
+    assert " on 1 engine replica, its own copy; " in line

@@ -16,7 +16,9 @@ Per rank, with P parameters, T trainable ones (T = P, or the LoRA A/B matrices),
   gradients    4T/W      optimiser (AdamW m and v)   8T/W
   activations  one micro-batch of N tokens (N = micro_batch_size * engine.max_context, the
                worst case): see `activation_bytes`
-The engine's own copy of the weights (rank 0) is listed apart: vLLM adds its KV cache on top.
+The engines are listed apart (`engines`): the transformers engine of a local run samples from
+rank 0's own weights; a vLLM engine, an engine replica or a rollout worker's engine on Ray holds
+a copy of the weights in the policy's dtype, and vLLM adds its KV cache on top.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from agentree.config import ExperimentConfig
+from agentree.distributed.cluster import engine_replicas
 from agentree.hub.pretrained import cached_path, find_pretrained
-from agentree.policy import base_policy
+from agentree.policy import base_policy, resolve_backend
 
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": {
@@ -158,8 +161,42 @@ def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
         "tokens": tokens,
         "per_rank": per_rank,
         "per_rank_total": sum(per_rank.values()),
-        "engine_weights": 2 * n["total"],
     }
+
+
+def engines(cfg: ExperimentConfig) -> tuple[str, str, int]:
+    """(backend, where the engines run, how many of them hold a copy of the weights), as the
+    run places them: locally one engine on rank 0, which with the transformers backend samples
+    from the weights the trainer updates; on Ray `distributed.engine_replicas` replicas, or an
+    engine in each rollout worker (`auto` on a cluster with GPUs: one replica where
+    `distributed.engine_gpus` reserves a GPU for it)."""
+    backend = resolve_backend(cfg.engine.backend)
+    dc = cfg.distributed
+    if dc.backend != "ray":
+        return backend, "rank 0", 0 if backend == "transformers" else 1
+    replicas = engine_replicas(dc, cluster_gpus=dc.engine_gpus)
+    if replicas:
+        return backend, f"{replicas} engine replica{'s' if replicas > 1 else ''}", replicas
+    workers = dc.rollout_workers
+    return backend, f"each of the {workers} rollout worker{'s' if workers > 1 else ''}", workers
+
+
+def engine_memory(cfg: ExperimentConfig, params: int) -> str:
+    """The engines' memory beside the training ranks': their copies of the weights (none for
+    a local transformers engine) and the KV cache each keeps."""
+    backend, where, copies = engines(cfg)
+    kv = (
+        "vLLM adds its KV cache (engine.vllm.gpu_memory_utilization)"
+        if backend == "vllm"
+        else f"cached prefix KV up to engine.prefix_cache_mb ({cfg.engine.prefix_cache_mb} MiB)"
+    )
+    if not copies:
+        return f"  engine on {where}: samples from the trainer's weights (no copy); {kv}"
+    dtype = cfg.policy.dtype
+    width = 4 if dtype in ("float32", "fp32") else 2
+    shown = "auto, bf16 on a GPU" if dtype == "auto" else dtype
+    own = "its own copy" if copies == 1 else "each its own copy"
+    return f"  engine weights ({shown}): {width * params / GIB:.2f} GiB on {where}, {own}; {kv}"
 
 
 def placement(cfg: ExperimentConfig) -> list[str]:
@@ -171,7 +208,8 @@ def placement(cfg: ExperimentConfig) -> list[str]:
     lines = []
     for r in range(tc.world_size):
         dev = f"cuda:{r}" if cuda else "cpu"
-        role = " + rollout (engine, envs, controller, scorer)" if r == 0 else ""
+        local = r == 0 and cfg.distributed.backend != "ray"
+        role = " + rollout (engine, envs, controller, scorer)" if local else ""
         lines.append(f"  rank {r}: {dev}, trains its 1/{tc.world_size} of the batch{role}")
     backend = "nccl" if cuda else "gloo"
     launch = "torch multiprocessing (or torchrun)" if tc.world_size > 1 else "this process"
@@ -179,9 +217,14 @@ def placement(cfg: ExperimentConfig) -> list[str]:
         launch = "Ray actors, one per rank (or torchrun)"
     mode = "FSDP2" if tc.fsdp else "unsharded"
     lines.append(f"  process group: {backend}, {mode}, launched by {launch}")
+    if cfg.distributed.backend == "ray":
+        n = cfg.distributed.rollout_workers
+        lines.append(f"  rollout: {n} Ray rollout worker{'s' if n > 1 else ''} (envs, controllers)")
+    backend, where, _copies = engines(cfg)
+    if where == "rank 0":
+        where = f"rank 0 ({'cuda:0' if cuda else 'cpu'})"
     lines.append(
-        f"  engine: {cfg.engine.backend} on rank 0 ({'cuda:0' if cuda else 'cpu'}), "
-        "weights synced from the trainer after every update"
+        f"  engine: {backend} on {where}, weights synced from the trainer after every update"
     )
     if not cuda:
         lines.append("  (no GPU visible here: the same config places rank r on cuda:r)")
@@ -206,8 +249,5 @@ def dry_run(cfg: ExperimentConfig) -> str:
     ]
     out += [f"  {k:<16} {v / GIB:10.3f} GiB" for k, v in est["per_rank"].items()]
     out.append(f"  {'total':<16} {est['per_rank_total'] / GIB:10.3f} GiB")
-    out.append(
-        f"  engine weights on rank 0 (bf16): {est['engine_weights'] / GIB:.2f} GiB "
-        "(vLLM adds its KV cache: engine.vllm.gpu_memory_utilization)"
-    )
+    out.append(engine_memory(cfg, n["total"]))
     return "\n".join(out)
