@@ -745,8 +745,8 @@ def test_serve_runs_the_configs_settings_with_set_overrides_and_given_flags(
 ) -> None:
     """`--config` and `--set` reach the server as they reach `agentree train` (the policy's
     dtype, the engine's batch size, prefix cache and seed), a flag that is given replaces the
-    config's setting and one that is not leaves it; `--max-batch`/`--max-call` bound the
-    batcher's calls."""
+    config's setting and one that is not leaves it (`--policy` too: a config's own policy is
+    served); `--max-batch`/`--max-call` bound the batcher's calls."""
     from agentree.commands.serve import main, serve_config
 
     run = tmp_path / "run.yaml"
@@ -774,6 +774,8 @@ def test_serve_runs_the_configs_settings_with_set_overrides_and_given_flags(
     cfg = serve_config("tiny", config=str(run), dtype="float32", seed=1)
     assert (cfg.policy.dtype, cfg.seed, cfg.engine.max_batch_size) == ("float32", 1, 8)
     assert serve_config("tiny").engine.backend == "auto"  # the default config names none
+    assert serve_config(None).policy.path == "tiny"
+    assert serve_config(None, config="frozenlake_patr_smollm2").policy.path == "warm"  # its own
     assert serve_config("tiny", overrides=["engine.backend=vllm"]).engine.backend == "vllm"
     assert main(["--port", "0", "--set", "engine.max_batch_size=0"]) == 2
     assert "engine.max_batch_size" in capsys.readouterr().err

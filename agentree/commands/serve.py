@@ -155,7 +155,7 @@ def require_serve_extra() -> None:
 
 # -- assembly --------------------------------------------------------------------------------------
 def serve_config(
-    policy: str,
+    policy: str | None,
     *,
     env: str | None = None,
     config: str | None = None,
@@ -169,7 +169,10 @@ def serve_config(
 ) -> ExperimentConfig:
     """The config a server runs: `config` (or `env`'s default) with `policy` selected and the
     `--set` `overrides` applied as `agentree train` applies them; then each option that is
-    given replaces the config's. The backend is `auto` unless the config names one."""
+    given replaces the config's. Without `policy` the policy is `config`'s, or `tiny` when no
+    config is named; the backend is `auto` unless the config names one."""
+    if policy is None and config is None:
+        policy = "tiny"  # quick to build, where the default config's warm start takes minutes
     cfg = load_config(config, select={"policy": policy, "env": env}, overrides=list(overrides))
     if backend is None:
         backend = cfg.engine.backend if "backend" in cfg.engine.model_fields_set else "auto"
@@ -192,7 +195,7 @@ def serve_config(
 
 
 def start_server(
-    policy: str,
+    policy: str | None,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
@@ -242,7 +245,7 @@ def start_server(
     return handle.start()
 
 
-def serve(policy: str, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> None:
+def serve(policy: str | None, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> None:
     """Serve until Ctrl-C or SIGTERM, then answer what is in flight and close the engine."""
     with interrupt_on_sigterm():  # `kill` (and schedulers) stop it as Ctrl-C does
         handle = start_server(policy, host, port, **kwargs)
@@ -277,8 +280,9 @@ def add_serve_command(subparsers: Any) -> argparse.ArgumentParser:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
-        default="tiny",
-        help="tiny, tiny-warm, smollm2-135m, a checkpoint directory, a .gguf file or a hub id",
+        default=None,
+        help="tiny, tiny-warm, smollm2-135m, a checkpoint directory, a .gguf file or a hub id "
+        "(default: the --config's policy, else tiny)",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
