@@ -77,6 +77,10 @@ def test_progress_lines_without_a_terminal(tracked_run):
     assert [line.split()[1] for line in lines] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
     for line in lines:
         assert "success " in line and "reward " in line and "s/step" in line
+    # every step but the last says how long the rest of the run should take, at its pace so far
+    left = [float(line.split("about ")[1].split(" min left")[0]) for line in lines[:-1]]
+    assert len(left) == STEPS - 1 and all(x >= 0 for x in left)
+    assert "min left" not in lines[-1]
 
 
 def test_tensorboard_event_file_has_the_scalars(tracked_run):

@@ -282,6 +282,7 @@ def train_entry(cfg: Any, resume: bool) -> int:
                 console, lambda msg: progress.update(bar, status=msg), every=every
             )
             trainer.progress = on_rollout
+            started, first = time.perf_counter(), trainer.step  # this segment's pace, evals in
 
             def on_step(step: int, m: dict[str, float]) -> None:
                 actions[0] += int(m.get("rollout/actions_well_formed", 0))
@@ -293,6 +294,9 @@ def train_entry(cfg: Any, resume: bool) -> int:
                     f"group {m.get('train/group_size', 0):.1f} "
                     f"{m.get('time/step_s', 0):.1f}s/step"
                 )
+                if first < step < cfg.train.steps:
+                    pace = (time.perf_counter() - started) / (step - first)
+                    status += f", about {pace * (cfg.train.steps - step) / 60:.1f} min left"
                 if live:
                     progress.update(bar, completed=step, status=status)
                 elif rank == 0:  # the other ranks hold no rollout metrics
