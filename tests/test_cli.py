@@ -109,10 +109,14 @@ def test_eval_writes_eval_json(tmp_path, tiny_frozenlake, capsys):
     trees = [json.loads(f.read_text()) for f in (out / "trees").iterdir()]
     steps = sum(len(t["nodes"]) - 1 for t in trees)  # every node below the root is a step
     assert (cost["trajectories"], cost["env_steps"]) == (6, steps)
-    assert f"6 trajectories, {steps} env steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"6 trajectories, {steps} env steps" in err
     # the figure names the weights behind it: those of the policy the config resolves to
     policy = Path(resolve_policy(load_config(str(out / "config.yaml")), log=lambda _: None))
     assert data["summary"]["policy_sha256"] == _sha256(policy / "model.safetensors")
+    # off a terminal (a log file) a long line is written whole: the hash stays one string
+    assert f"policy weights: sha256 {data['summary']['policy_sha256']}\n" in err
+    assert f"-> {out / 'eval.json'}\n" in err
 
 
 def _sha256(path: Path) -> str:

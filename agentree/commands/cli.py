@@ -144,8 +144,9 @@ def reported(fn: Callable[..., Any], *args: Any) -> int:
 
 # -- helpers ------------------------------------------------------------------------------------
 def _console():
-
-    return Console(stderr=True, highlight=False)
+    # soft_wrap: a line longer than the terminal (or than 80 columns in a log file) is written
+    # whole, so a path or a weights hash in a log stays one string
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _load(args: argparse.Namespace):
