@@ -12,6 +12,7 @@ parameter after an AdamW step at lr 1e-3, where the step itself moves weights by
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -314,8 +315,10 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
 
     from agentree.algorithms.packing import batch_logprobs
     from agentree.commands.cli import main
+    from agentree.hub.pretrained import local_policy
     from agentree.learner.base import ShardedLearner
     from agentree.learner.lora import is_adapter_key
+    from agentree.run.checkpoint import latest_checkpoint
 
     cfg = cfg_for(tmp_path / "run", "train.lora.r=4", "train.lora.alpha=8", "train.lr=1e-2")
     tr = Trainer(cfg, tmp_path / "run", log=quiet)
@@ -351,6 +354,16 @@ def test_lora_trains_only_adapters_and_exports_merged(fixed_batch, tmp_path):
         )
     assert a.tolist() == b.tolist()
     tr.close()
+    # `--policy` the LoRA checkpoint itself: merged once, into the cache, as export merges it
+    ckpt = latest_checkpoint(tmp_path / "run")
+    cached = local_policy(str(ckpt), log=None)
+    assert Path(cached).parent.name == "merged" and local_policy(str(ckpt), log=None) == cached
+    again = AutoModelForCausalLM.from_pretrained(cached).state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in merged.state_dict().items())
+    ev = tmp_path / "eval"
+    assert main(["eval", "--policy", str(ckpt), "--tasks", "2", "--output", str(ev)]) == 0
+    assert json.loads((ev / "eval.json").read_text())["summary"]["tasks"] == 2
+    assert main(["train", "--policy", str(ckpt), "--dry-run"]) == 0  # its base's architecture
 
 
 def test_lora_with_bf16_base_trains_only_fp32_adapters(fixed_batch, tmp_path):

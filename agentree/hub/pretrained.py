@@ -33,6 +33,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentree.hub.adapters import is_adapter_checkpoint, merged_checkpoint
 from agentree.hub.store import Log, build_once, cache_root, is_built, to_stderr
 
 
@@ -83,12 +84,15 @@ def find_pretrained(name: str) -> Pretrained | None:
 
 def local_policy(path: str, log: Log | None = to_stderr) -> str:
     """A loadable directory for `--policy`: named checkpoints and GGUF files are fetched or
-    converted once; any other path or hub id comes back unchanged."""
+    converted once, a LoRA run's checkpoint merged once (`agentree.hub.adapters`); any other
+    path or hub id comes back unchanged."""
     spec = find_pretrained(path)
     if spec is not None:
         return str(pull(spec, log))
     if path.endswith(".gguf"):
         return str(convert_gguf_file(Path(path).expanduser(), log))
+    if is_adapter_checkpoint(Path(path).expanduser()):
+        return str(merged_checkpoint(Path(path).expanduser(), log))
     return path
 
 

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentree.config import ExperimentConfig, TrainConfig
-from agentree.learner.lora import ADAPTER_DIR, add_lora, lora_adapter, plain_state_dict
+from agentree.hub.adapters import ADAPTER_DIR
+from agentree.learner.lora import add_lora, lora_adapter, plain_state_dict
 from agentree.learner.sharding import (
     ShardedUpdate,
     broadcast_object,

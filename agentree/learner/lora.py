@@ -14,9 +14,6 @@ from typing import Any
 from agentree.config import LoraSettings
 from agentree.engines.base import LoraAdapter
 
-ADAPTER_DIR = "adapter"
-"""Sub-directory of a checkpoint that holds the peft adapter."""
-
 
 def add_lora(model: Any, lc: LoraSettings) -> Any:
     """Wrap `model` in a peft model with fresh adapters; the base weights are frozen."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from agentree.config import ExperimentConfig
 from agentree.distributed.cluster import engine_replicas
+from agentree.hub.adapters import adapter_base, is_adapter_checkpoint
 from agentree.hub.pretrained import cached_path, find_pretrained
 from agentree.policy import base_policy, resolve_backend
 
@@ -65,6 +66,8 @@ def model_config(cfg: ExperimentConfig) -> tuple[Any, str]:
     from transformers import AutoConfig, Qwen2Config
 
     path = base_policy(cfg)
+    if is_adapter_checkpoint(Path(path).expanduser()):
+        path = adapter_base(Path(path).expanduser())  # a LoRA run's checkpoint: its base's
     if path == "tiny":
         t = cfg.policy.tiny
         conf = Qwen2Config(
