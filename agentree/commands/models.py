@@ -60,7 +60,10 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         where = cached_path(spec)
         state = f"cached at {where}" if where else f"not cached: agentree models pull {spec.name}"
         print(f"  {spec.name:<14} {spec.summary}\n  {'':<14} also {spec.hub_id}; {state}")
-    print("Also: --policy DIR (a save_pretrained checkpoint), --policy FILE.gguf, a hub id.")
+    print(
+        "Also: --policy DIR (a save_pretrained checkpoint, or a LoRA run's checkpoint, merged "
+        "once), --policy FILE.gguf, a hub id."
+    )
     builds = cached_builds()
     print(f"Cache {cache_root()}: {len(builds)} build(s)")
     for b in builds:
