@@ -215,9 +215,8 @@ def start_server(
     resolved as `agentree train` resolves `--policy` (`env` and `config` choose the env a
     `tiny`/`tiny-warm` policy is built for), the engine is built from the config's `engine`
     section, and requests with tools are rendered and read back in the config's
-    `policy.tool_format`, the format the policy was trained to write its calls in. A call of
-    the batcher merges at most `max_batch` waiting requests and takes in at most `max_call`
-    (`Batcher`)."""
+    `policy.tool_format`, the format the policy was trained to write its calls in. An engine
+    call runs at most `max_batch` requests at once and takes in at most `max_call` (`Batcher`)."""
     require_serve_extra()  # before a model is loaded
     cfg = serve_config(policy, **settings)
     path = resolve_policy(cfg, log_fn)
@@ -323,14 +322,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=int,
         default=64,
-        help="waiting requests merged into one engine call (default 64)",
+        help="most requests one engine call runs at once (default 64)",
     )
     p.add_argument(
         "--max-call",
         type=int,
         default=1024,
-        help="requests one engine call takes in, joiners included, before the next call "
-        "starts (default 1024)",
+        help="most requests one engine call takes in over its life, joiners included; the "
+        "next call starts with those that wait (default 1024)",
     )
     p.add_argument(
         "--tool-format",
