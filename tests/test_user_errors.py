@@ -108,6 +108,18 @@ def test_policy_directory_without_a_model(tmp_path, capsys):
     )
 
 
+def test_export_of_a_checkpoint_without_a_model_leaves_nothing(tmp_path, capsys):
+    """A checkpoint with neither weights nor an adapter: one line, and no half-written output."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.pt").write_bytes(b"")
+    assert main(["export", str(ckpt), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"agentree: error: {ckpt} holds neither a model (config.json) nor a LoRA adapter"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_judge_without_the_scorers_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)  # what an install without the extra has
     assert main(["rollout", "--scorer", "judge", "--output", str(tmp_path / "o")]) == 2

@@ -26,7 +26,11 @@ def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_merged(ckpt, tmp)
+    try:
+        write_merged(ckpt, tmp)
+    except BaseException:  # an error or Ctrl-C leaves no half-written directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -39,8 +39,10 @@ def write_merged(ckpt: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
     adapter = ckpt / ADAPTER_DIR
+    if not (ckpt / "config.json").exists() and not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"{ckpt} holds neither a model (config.json) nor a LoRA adapter")
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
     if adapter.is_dir():
         try:
             # deferred: peft is the optional [train] extra
