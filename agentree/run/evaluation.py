@@ -117,7 +117,8 @@ def run_eval(
             log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
             return None
         rt = Runtime(cfg, log=log)
-        log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples} samples")
+        each = f"{samples} sample{'s' if samples != 1 else ''}"
+        log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {each}")
         return rt
 
     def sample(
