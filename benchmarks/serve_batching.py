@@ -26,8 +26,8 @@ import time
 
 from train_memory import peak_rss_mib, reset_peak_rss
 
+from agentree.commands.serve import serve_config
 from agentree.commands.serve_api import Batcher
-from agentree.config import load_config
 from agentree.engines.base import SamplingParams
 from agentree.engines.hf import HFEngine
 from agentree.policy import resolve_policy
@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     limits = [int(x) for x in args.max_tokens.split(",")]
     limits = [limits[i % len(limits)] for i in range(args.requests)]
-    policy = resolve_policy(load_config(None, select={"policy": args.policy}), print)
+    policy = resolve_policy(serve_config(args.policy), print)
     engine = HFEngine.from_pretrained(policy, seed=0)
     try:
         tok = engine.tokenizer

@@ -39,11 +39,11 @@ def write_merged(ckpt: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter = ckpt / ADAPTER_DIR
-    if not (ckpt / "config.json").exists() and not (adapter / "adapter_config.json").is_file():
+    merge = is_adapter_checkpoint(ckpt)
+    if not merge and not (ckpt / "config.json").exists():
         raise ValueError(f"{ckpt} holds neither a model (config.json) nor a LoRA adapter")
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    if adapter.is_dir():
+    if merge:
         try:
             # deferred: peft is the optional [train] extra
             from peft import PeftModel
@@ -59,7 +59,7 @@ def write_merged(ckpt: Path, out: Path) -> None:
                 "base (e.g. `agentree models build`) or point --policy at a merged checkpoint"
             )
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        model = PeftModel.from_pretrained(model, ckpt / ADAPTER_DIR).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(ckpt)
     model.save_pretrained(out)
