@@ -134,7 +134,11 @@ def test_time_limit_counts_cpu_time_not_wall_time() -> None:
     # processes, so that it takes about 3 s of wall time: it still gets math_verify's verdict
     pair = ("(x^2-y^2+x-y)^{10}", "(x+y+1)^{10}(x-y)^{10}")
     core = min(os.sched_getaffinity(0))
-    spin = f"import os; os.sched_setaffinity(0, {{{core}}}); print(flush=True)\nwhile True: pass"
+    # a busy process pinned to that core, which ends when the test's process does, however
+    spin = (
+        f"import os; os.sched_setaffinity(0, {{{core}}}); parent = os.getppid(); print(flush=True)"
+        "\nwhile os.getppid() == parent:\n    for _ in range(100_000): pass"
+    )
     before = os.sched_getaffinity(0)
     hogs: list[subprocess.Popen[bytes]] = []
     try:
