@@ -5,11 +5,11 @@ checkpoint (LoRA adapters merged into the base weights), loadable by `--policy D
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 from typing import Any
 
 from agentree.hub.adapters import write_merged
+from agentree.hub.store import written_whole
 from agentree.run.checkpoint import latest_checkpoint
 
 
@@ -23,17 +23,10 @@ def export(run_or_ckpt: str | Path, output: str | Path) -> Path:
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; choose a new --output directory")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write_merged(ckpt, tmp)
-    except BaseException:  # an error or Ctrl-C leaves no half-written directory behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+    with written_whole(out) as partial:  # a failure, Ctrl-C or `kill` leaves nothing behind
+        write_merged(ckpt, partial)
+        if out.exists():
+            out.rmdir()
     return out
 
 

@@ -89,25 +89,36 @@ def build_once(
         if is_built(target):  # another process finished it while we waited
             say(f"{name}: reusing the build another process just finished ({target})")
             return target
-        partial = target.parent / f".{target.name}.partial"
         _remove_leftovers(target)
         say(f"building {name}" + (f" ({expected})" if expected else "") + f" -> {target}")
         t0 = time.perf_counter()
-        with interrupt_on_sigterm():
-            try:
-                partial.mkdir()
-                write(partial)
-                # hashed from the files, never from a metadata file a build copied from its base
-                meta = {"weights_sha256": _hash_weights(partial), "versions": library_versions()}
-                _write_meta(partial, meta)
-                if target.exists():  # an old unfinished layout; the lock makes this ours
-                    shutil.rmtree(target)
-                partial.rename(target)
-            except BaseException:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise
+        with written_whole(target) as partial:
+            write(partial)
+            # hashed from the files, never from a metadata file a build copied from its base
+            meta = {"weights_sha256": _hash_weights(partial), "versions": library_versions()}
+            _write_meta(partial, meta)
+            if target.exists():  # an old unfinished layout; the lock makes this ours
+                shutil.rmtree(target)
         say(f"built {name} in {time.perf_counter() - t0:.0f}s")
     return target
+
+
+@contextlib.contextmanager
+def written_whole(target: Path) -> Iterator[Path]:
+    """A fresh directory `.<name>.partial` beside `target` to write it in, renamed to `target`
+    when the block ends (the block leaves `target` absent); an exception, Ctrl-C or SIGTERM
+    removes it instead, so `target` appears whole or not at all. One left by a killed process
+    is removed first."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with interrupt_on_sigterm():
+        try:
+            partial.mkdir(parents=True)
+            yield partial
+            partial.rename(target)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
 
 def weights_sha256(model_dir: Path | str) -> str | None:
