@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers.utils import logging as hf_logging
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # makes `custom_env.*` importable as a user's own package
@@ -19,6 +20,11 @@ USER_CACHE = Path(os.environ.get("AGENTREE_CACHE", Path.home() / ".cache" / "age
 # the test clusters run with it off (`LocalCluster`), so every later test driving them had its
 # actors cancelled as they started ("the actor died unexpectedly").
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# transformers' log handler writes to the sys.stderr of the moment it is made; made inside a test
+# that captures stderr (capsys), it sent every later warning to that test's closed stream, as a
+# "--- Logging error ---" traceback in another test's output. Made here, it writes to the
+# session's stderr.
+hf_logging.get_logger()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 
 from agentree.commands.cli import main
@@ -88,6 +89,9 @@ def test_policy_hub_id_the_hub_cannot_give(tmp_path, capsys, monkeypatch):
     when the hub cannot give it (here: offline, as this machine is), one line says what the name
     is not and what the hub said, instead of transformers' two-paragraph connection advice."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # read once, when huggingface_hub is imported (an earlier test may have): without this the
+    # hub is tried over the network, five retries a file
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     args = ["rollout", "--policy", "no-such-org/no-such-model", "--output", str(tmp_path / "o")]
     assert main(args) == 2
     line = _one_line_error(capsys)
