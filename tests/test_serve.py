@@ -750,7 +750,9 @@ def test_serve_runs_the_configs_settings_with_set_overrides_and_given_flags(
     from agentree.commands.serve import main, serve_config
 
     run = tmp_path / "run.yaml"
-    run.write_text("seed: 7\npolicy:\n  dtype: bfloat16\nengine:\n  max_batch_size: 8\n")
+    run.write_text(
+        "seed: 7\npolicy:\n  dtype: bfloat16\nengine:\n  max_batch_size: 8\n  max_tokens: 5\n"
+    )
     handle = start_server(
         "tiny",
         config=str(run),
@@ -767,8 +769,13 @@ def test_serve_runs_the_configs_settings_with_set_overrides_and_given_flags(
         assert (handle.api.batcher.max_batch, handle.api.batcher.max_call) == (5, 9)
         c = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
         r = c.completions.create(model="tiny", prompt="P _ G", max_tokens=3, temperature=0)
-        c.close()
         assert r.usage.completion_tokens >= 1
+        # a chat request without max_tokens gets the config's per-turn budget
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "P _ G"}], temperature=0
+        )
+        c.close()
+        assert handle.api.default_max_tokens == 5 and 1 <= r.usage.completion_tokens <= 5
     finally:
         handle.close()
     cfg = serve_config("tiny", config=str(run), dtype="float32", seed=1)

@@ -200,7 +200,7 @@ def start_server(
     port: int = 0,
     *,
     served_model_name: str | None = None,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = None,
     max_batch: int = 64,
     max_call: int = 1024,
     idle_timeout: float = 5.0,
@@ -215,8 +215,10 @@ def start_server(
     resolved as `agentree train` resolves `--policy` (`env` and `config` choose the env a
     `tiny`/`tiny-warm` policy is built for), the engine is built from the config's `engine`
     section, and requests with tools are rendered and read back in the config's
-    `policy.tool_format`, the format the policy was trained to write its calls in. An engine
-    call runs at most `max_batch` requests at once and takes in at most `max_call` (`Batcher`)."""
+    `policy.tool_format`, the format the policy was trained to write its calls in. A chat
+    request that sets no `max_tokens` gets `default_max_tokens`, or the config's
+    `engine.max_tokens` (the per-turn budget the policy was trained with). An engine call runs
+    at most `max_batch` requests at once and takes in at most `max_call` (`Batcher`)."""
     require_serve_extra()  # before a model is loaded
     cfg = serve_config(policy, **settings)
     path = resolve_policy(cfg, log_fn)
@@ -227,7 +229,9 @@ def start_server(
             engine,
             tokenizer,
             served_model_name or cfg.policy.path,
-            default_max_tokens=default_max_tokens,
+            default_max_tokens=(
+                cfg.engine.max_tokens if default_max_tokens is None else default_max_tokens
+            ),
             max_batch=max_batch,
             max_call=max_call,
             aliases=[cfg.policy.path, path],
@@ -306,8 +310,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens",
         type=int,
-        default=256,
-        help="completion budget of chat requests that give none",
+        default=None,
+        help="completion budget of chat requests that give none (default: the config's "
+        "engine.max_tokens, 256)",
     )
     p.add_argument("--env", default=None, help="env whose tiny policy --policy tiny builds")
     p.add_argument("--config", default=None, help="config whose policy and engine settings to use")
