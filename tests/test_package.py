@@ -5,6 +5,7 @@ the code reads through `importlib.resources`."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# what a checkout holds besides its files: git's store, virtualenvs, runs, build outputs, caches
+LOCAL_ONLY = (".git", ".venv*", "runs", "build", "dist", "site", "*.egg-info", "__pycache__")
+LOCAL_ONLY += (".pytest_cache", ".ruff_cache")
 
 
 def test_a_checkout_imports_without_an_install(tmp_path):
@@ -29,8 +33,11 @@ def test_a_checkout_imports_without_an_install(tmp_path):
 
 @pytest.mark.slow
 def test_the_wheel_holds_the_modules_and_data(tmp_path):
+    # built from a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*LOCAL_ONLY))
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     # pip shows the build backend's warnings: a data folder that setuptools takes for an unlisted
@@ -54,6 +61,9 @@ def test_the_wheel_holds_the_modules_and_data(tmp_path):
     missing = [n for n in expect if n not in names]
     assert missing == []
     suite = [n for n in names if n.startswith("agentree/envs/swe/local_suite/")]
-    assert any(n.endswith("/task.json") for n in suite)
+    tasks = {n.split("/")[4] for n in suite if n.endswith("/task.json")}
+    assert tasks == {
+        p.parent.name for p in (ROOT / "agentree/envs/swe/local_suite").glob("*/task.json")
+    }
     assert any("/repo/" in n for n in suite)
     assert not [n for n in names if n.split("/")[0] in ("envs", "scorers", "prompts", "configs")]
