@@ -57,7 +57,7 @@ def test_rollout_writes_trees_and_stats(tmp_path, tiny_frozenlake):
     assert (out / "config.yaml").exists()
 
 
-def test_train_with_a_user_env(tmp_path, monkeypatch):
+def test_train_with_a_user_env(tmp_path, monkeypatch, capsys):
     out = tmp_path / "t"
     rc = main(
         [
@@ -96,6 +96,7 @@ def test_train_with_a_user_env(tmp_path, monkeypatch):
     assert load_config(str(out / "config.yaml")).env["name"] == "custom_env.mygame:GuessEnv"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("train/loss" in r for r in rows)
+    assert "(2 tasks x 1 sample, pass@1 " in capsys.readouterr().err
 
 
 def test_eval_writes_eval_json(tmp_path, tiny_frozenlake, capsys):

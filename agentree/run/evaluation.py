@@ -43,6 +43,11 @@ from agentree.tools import tool_schemas
 from agentree.tree import EndReason, Tree, save_trees
 
 
+def samples_text(n: int) -> str:
+    """'1 sample', '4 samples': how many trajectories each task gets, as the logs say it."""
+    return f"{n} sample{'s' if n != 1 else ''}"
+
+
 def evaluate(
     rt: Runtime,
     cfg: ExperimentConfig,
@@ -117,8 +122,7 @@ def run_eval(
             log(f"evaluating scripted policy '{cfg.policy.path}' on {len(task_list)} tasks")
             return None
         rt = Runtime(cfg, log=log)
-        each = f"{samples} sample{'s' if samples != 1 else ''}"
-        log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {each}")
+        log(f"evaluating {rt.policy_path} on {len(task_list)} tasks x {samples_text(samples)}")
         return rt
 
     def sample(

@@ -55,7 +55,7 @@ from agentree.learner.sharding import barrier, broadcast_object, init_distribute
 from agentree.rollout.base import RolloutStats, action_format
 from agentree.rollouts import PendingRollout
 from agentree.run.checkpoint import begin_checkpoint, finish_checkpoint, latest_checkpoint
-from agentree.run.evaluation import evaluate
+from agentree.run.evaluation import evaluate, samples_text
 from agentree.run.resume import trim_metrics
 from agentree.run.runtime import Runtime
 from agentree.run.tracking import Tracker
@@ -205,7 +205,7 @@ class Trainer:
             s = result["summary"]
             self.log(
                 f"held-out success rate at step {self.step}: {100 * s['success_rate']:.1f}% "
-                f"({s['tasks']} tasks x {s['samples']} samples, pass@{s['samples']} "
+                f"({s['tasks']} tasks x {samples_text(s['samples'])}, pass@{s['samples']} "
                 f"{100 * s['pass_at_k']:.1f}%)"
             )
         return metrics
