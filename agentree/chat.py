@@ -42,8 +42,8 @@ class ChatFormat:
     """Builds prompt and observation ids for a chat model from its chat template.
 
     `tool_format` names how the policy writes tool calls (`agentree.tools`): `hermes`,
-    `llama3_json`, `pythonic`, `qwen3_coder`, or `text` (free-text actions; an env with tools
-    then reads the generic rendering's `hermes` calls).
+    `llama3_json`, `pythonic`, `qwen3_coder`, `mistral`, `mistral_json`, or `text` (free-text
+    actions; an env with tools then reads the generic rendering's `hermes` calls).
     """
 
     def __init__(self, tokenizer: Any, tool_format: str = "text") -> None:

@@ -68,11 +68,12 @@ class PolicyConfig(_Section):
     """auto, cpu, cuda, cuda:1, ..."""
     tool_format: str = "text"
     """How the policy writes tool calls for envs with tools (`agentree.tools`): hermes (Qwen,
-    Hermes), llama3_json, pythonic, qwen3_coder (Qwen3-Coder's XML), or text (free-text
-    actions; a tool env reads the generic rendering's hermes calls). Warm builds write their
-    demonstrations' calls in it. Unset, a policy directory agentree wrote (a checkpoint,
-    `agentree sft`/`export` output) gives the format it was trained in, and sets the env's
-    `action_format` it acted in where the config leaves that unset (`POLICY_RECORD`)."""
+    Hermes), llama3_json, pythonic, qwen3_coder (Qwen3-Coder's XML), mistral, mistral_json, or
+    text (free-text actions; a tool env reads the generic rendering's hermes calls). Warm
+    builds write their demonstrations' calls in it. Unset, a policy directory agentree wrote (a
+    checkpoint, `agentree sft`/`export` output) gives the format it was trained in, and sets
+    the env's `action_format` it acted in where the config leaves that unset
+    (`POLICY_RECORD`)."""
 
 
 class EngineConfig(_Section):

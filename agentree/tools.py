@@ -14,6 +14,10 @@ by name reads them back:
 - `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
   </tool_call>`, a tag for each parameter with its value written raw (Qwen3-Coder); values are read
   back in the types the tool's schema declares.
+- `mistral`: `[TOOL_CALLS]NAME[ARGS]{...}` for each call (Mistral's tokenizers from v11 on,
+  whose vocabulary has an `[ARGS]` token); `mistral_json`: `[TOOL_CALLS][{"name": ...,
+  "arguments": {...}}, ...]` (the earlier ones: Mistral 7B Instruct v0.3, Mixtral 8x22B, Mistral
+  Nemo). Each reads both.
 - `text`: no parsing; the env reads the free text itself (every env before tools).
 
 A parsed turn reaches `Env.step` as a `ToolAction`: a `str` holding the raw text, so envs that
@@ -266,7 +270,8 @@ class TextFormat(CallFormat):
 
     def format(self, calls: Sequence[ToolCall]) -> str:
         raise ValueError(
-            "the text format has no tool calls; pick hermes, llama3_json, pythonic or qwen3_coder"
+            "the text format has no tool calls; pick one of "
+            + ", ".join(n for n in CALL_FORMATS.names() if n != "text")
         )
 
     def settled(self, text: str) -> str:
@@ -332,12 +337,17 @@ class HermesFormat(CallFormat):
         return self._BLOCK.sub("", text).strip()
 
     def settled(self, text: str) -> str:
-        """The text before the first `<tool_call>` (or the start of one), without its trailing
-        spaces, which `content` strips when calls follow; nothing while the text starts with a
-        space, which `content` strips too and plain content keeps."""
-        start = text.find(self._opener)
-        head = text[:start] if start >= 0 else text[: len(text) - held_back(text, [self._opener])]
-        return head.rstrip() if head == head.lstrip() else ""
+        return settled_before(text, self._opener)
+
+
+def settled_before(text: str, opener: str) -> str:
+    """What of `text` is settled where calls begin with `opener` and the content is the text
+    around them: the text before the first `opener` (or the start of one), without its trailing
+    spaces, which `content` strips when calls follow; nothing while the text starts with a
+    space, which `content` strips too and plain content keeps."""
+    start = text.find(opener)
+    head = text[:start] if start >= 0 else text[: len(text) - held_back(text, [opener])]
+    return head.rstrip() if head == head.lstrip() else ""
 
 
 class Qwen3CoderFormat(HermesFormat):
@@ -512,6 +522,90 @@ class PythonicFormat(CallFormat):
         return "[" + ", ".join(parts) + "]"
 
 
+class MistralFormat(CallFormat):
+    """`[TOOL_CALLS]NAME[ARGS]{...}`, the marker before each call, as Mistral's tokenizers from
+    v11 on write a call (those whose vocabulary has an `[ARGS]` token; `[TOOL_CALLS]` and
+    `[ARGS]` are control tokens, kept in the text because agentree decodes with special
+    tokens), the arguments as `mistral_common` writes them (non-ASCII kept). Also read:
+    `[CALL_ID]ID` before `[ARGS]` (the v11 tokenizer writes a call's id there in a
+    conversation's history), a `{` straight after the name, and the JSON list the earlier
+    tokenizers write (`mistral_json`). The text before the first marker is the reply's
+    content; the arguments end with their JSON object, and what a model writes after it until
+    the next marker is dropped, as vLLM's Mistral parser drops it."""
+
+    name = "mistral"
+    generic_prompt = "tools/mistral.txt"
+    _opener = "[TOOL_CALLS]"
+    _NAMED = re.compile(r"\s*([^\s\[{]+)\s*(?:\[CALL_ID\]\s*([^\s\[{]*)\s*)?(?:\[ARGS\])?")
+
+    def parse(self, text: str, schemas: Sequence[dict[str, Any]] = ()) -> list[ToolCall]:
+        start = text.find(self._opener)
+        if start < 0:
+            return []
+        parts = text[start + len(self._opener) :].split(self._opener)
+        return [call for part in parts for call in self._calls(part)]
+
+    def _calls(self, part: str) -> list[ToolCall]:
+        """The calls after one marker: a JSON list (or object) of calls, or NAME[ARGS]{...}."""
+        body = part.strip()
+        if body.startswith(("[", "{")):
+            found = _first_json(body, f"the calls after {self._opener}")
+            items = found if isinstance(found, list) else [found]
+            if not items:
+                raise ValueError(f"the list after {self._opener} holds no call")
+            return [_with_id(_call_from_json(item, ("arguments",)), item) for item in items]
+        m = self._NAMED.match(part)
+        if m is None or not part[m.end() :].strip():
+            name = m.group(1) if m else "the call"
+            raise ValueError(f"{name} has no arguments: write {self._opener}NAME[ARGS]{{...}}")
+        name, call_id = m.group(1), m.group(2)
+        args = _first_json(part[m.end() :].strip(), f"the arguments of {name}")
+        if not isinstance(args, dict):
+            raise ValueError(f"the arguments of {name} must be a JSON object")
+        return [ToolCall(name, args, call_id or "")]
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        return "".join(f"{self._opener}{c.name}[ARGS]{_json(c.arguments)}" for c in calls)
+
+    def content(self, text: str) -> str:
+        return text.split(self._opener, 1)[0].strip()
+
+    def settled(self, text: str) -> str:
+        return settled_before(text, self._opener)
+
+
+class MistralJsonFormat(MistralFormat):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`: one marker, then every call of the
+    turn as a JSON list, as Mistral's tokenizers before v11 write calls (Mistral 7B Instruct
+    v0.3, Mixtral 8x22B, Mistral Nemo). Reads what `mistral` reads."""
+
+    name = "mistral_json"
+    generic_prompt = "tools/mistral_json.txt"
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        return self._opener + _json([{"name": c.name, "arguments": c.arguments} for c in calls])
+
+
+def _json(value: Any) -> str:
+    """JSON as Mistral's tokenizers write it (`mistral_common`): other characters than ASCII as
+    they are, not escaped."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _first_json(text: str, what: str) -> Any:
+    """The JSON value `text` starts with (what follows it is not read)."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} are not JSON ({e.msg} at character {e.pos})") from None
+
+
+def _with_id(call: ToolCall, obj: dict[str, Any]) -> ToolCall:
+    """`call` with the id its JSON object gives, if any."""
+    given = obj.get("id")
+    return ToolCall(call.name, call.arguments, given) if isinstance(given, str) else call
+
+
 CALL_FORMATS: Registry[type[CallFormat]] = Registry(
     "tool call format",
     CallFormat,
@@ -521,13 +615,15 @@ CALL_FORMATS: Registry[type[CallFormat]] = Registry(
         "llama3_json": "agentree.tools:Llama3JsonFormat",
         "pythonic": "agentree.tools:PythonicFormat",
         "qwen3_coder": "agentree.tools:Qwen3CoderFormat",
+        "mistral": "agentree.tools:MistralFormat",
+        "mistral_json": "agentree.tools:MistralJsonFormat",
     },
 )
 
 
 def call_format(name: str) -> CallFormat:
-    """The parser registered as `name` (text, hermes, llama3_json, pythonic, qwen3_coder or
-    module:Class)."""
+    """The parser registered as `name` (text, hermes, llama3_json, pythonic, qwen3_coder,
+    mistral, mistral_json or module:Class)."""
     return CALL_FORMATS.get(name)()
 
 

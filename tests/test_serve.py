@@ -933,14 +933,14 @@ def test_a_streamed_reply_with_tools_joins_to_the_unstreamed_one_in_every_call_f
             },
         },
     }
-    for name in ("hermes", "qwen3_coder", "llama3_json", "pythonic"):
+    for name in ("hermes", "qwen3_coder", "llama3_json", "pythonic", "mistral", "mistral_json"):
         call = call_format(name).format([ToolCall("move", {"direction": "up"})])
         replies = [
             "The goal is up and to the left.",
             call,
             "[oops(" if name == "pythonic" else call[:-3],
         ]
-        if name in ("hermes", "qwen3_coder"):
+        if name in ("hermes", "qwen3_coder", "mistral", "mistral_json"):
             replies.append("Going up.\n" + call)
         reply = iter([r for r in replies for _ in (0, 1)])  # unstreamed, then streamed
         api = OpenAIServer(

@@ -263,13 +263,76 @@ def test_qwen3_coder_malformed_calls_become_one_sentence_errors(text, error):
     assert action.error is not None and error in action.error and action.error.endswith(".")
 
 
+def test_mistral_reads_calls_as_its_tokenizers_write_them():
+    """The turns below are what `mistral_common` 1.13.1 encodes for an assistant message with two
+    calls (ids abcdefghi and bcdefghij), decoded with special tokens: the v3 and v7 tokenizers
+    (SentencePiece: a space after the marker), tekken (none), and v13's one marker a call. Both
+    formats read every one; each writes what its tokenizers write, less the ids."""
+    v3 = (
+        '[TOOL_CALLS] [{"name": "move", "arguments": {"direction": "up"}, "id": "abcdefghi"}, '
+        '{"name": "move", "arguments": {"direction": "down"}, "id": "bcdefghij"}]'
+    )
+    tekken = v3.replace("[TOOL_CALLS] ", "[TOOL_CALLS]")
+    v13 = '[TOOL_CALLS]move[ARGS]{"direction": "up"}[TOOL_CALLS]move[ARGS]{"direction": "down"}'
+    v11 = v13.replace("move[ARGS]", "move[CALL_ID]abcdefghi[ARGS]", 1)
+    up, down = {"direction": "up"}, {"direction": "down"}
+    for fmt in ("mistral", "mistral_json"):
+        for text, ids in [(v3, ["abcdefghi", "bcdefghij"]), (tekken, ["abcdefghi", "bcdefghij"])]:
+            assert _parse(fmt, text).calls == (
+                ToolCall("move", up, ids[0]),
+                ToolCall("move", down, ids[1]),
+            )
+        assert _parse(fmt, v13).calls == (
+            ToolCall("move", up, "call_0"),
+            ToolCall("move", down, "call_1"),
+        )
+        assert _parse(fmt, v11).calls[0].id == "abcdefghi"
+        # a name followed straight by its arguments; text after the object is not read
+        assert _parse(fmt, '[TOOL_CALLS]move{"direction": "up"} ok').calls[0].arguments == up
+        reply = "Going up." + call_format(fmt).format([ToolCall("move", up)])
+        assert call_format(fmt).content(reply) == "Going up."
+    calls = [ToolCall("move", up), ToolCall("move", down)]
+    assert call_format("mistral").format(calls) == v13
+    assert call_format("mistral_json").format(calls) == tekken.replace(
+        ', "id": "abcdefghi"', ""
+    ).replace(', "id": "bcdefghij"', "")
+    # mistral_common writes arguments with json.dumps(..., ensure_ascii=False)
+    assert (
+        call_format("mistral")
+        .format([ToolCall("edit", {"path": "café.py"})])
+        .endswith('{"path": "café.py"}')
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("I think I should move up.", "no tool call found; call one of: move, edit."),
+        ("[TOOL_CALLS]move", "move has no arguments: write [TOOL_CALLS]NAME[ARGS]{...}"),
+        ('[TOOL_CALLS]move[ARGS]{"direction": up}', "the arguments of move are not JSON"),
+        ("[TOOL_CALLS]move[ARGS][1]", "the arguments of move must be a JSON object"),
+        ("[TOOL_CALLS][]", "the list after [TOOL_CALLS] holds no call"),
+        (
+            '[TOOL_CALLS][{"name": "move", "arguments": {',
+            "the calls after [TOOL_CALLS] are not JSON",
+        ),
+        ('[TOOL_CALLS][["move"]]', 'a call must be a JSON object with a string "name"'),
+        ("[TOOL_CALLS]fly[ARGS]{}", "unknown tool 'fly'"),
+    ],
+)
+def test_mistral_malformed_calls_become_one_sentence_errors(text, error):
+    for fmt in ("mistral", "mistral_json"):
+        action = _parse(fmt, text)
+        assert action.error is not None and error in action.error and action.error.endswith(".")
+
+
 def test_text_format_reads_no_calls_and_each_format_round_trips():
     assert call_format("text").parse("<tool_call>{}</tool_call>") == []
     calls = [
         ToolCall("move", {"direction": "up"}),
         ToolCall("edit", {"path": "a", "old_str": "b\n  c", "new_str": "007", "count": 2}),
     ]
-    for fmt in ("hermes", "llama3_json", "pythonic", "qwen3_coder"):
+    for fmt in ("hermes", "llama3_json", "pythonic", "qwen3_coder", "mistral", "mistral_json"):
         back = _parse(fmt, call_format(fmt).format(calls))
         assert back.error is None, fmt
         assert [(c.name, c.arguments) for c in back.calls] == [(c.name, c.arguments) for c in calls]
@@ -710,7 +773,9 @@ def test_a_qwen3_coder_policy_is_served_its_history_and_replies_in_its_own_forma
     assert message["tool_calls"][0]["function"]["arguments"] == '{"count": 4}'
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "pythonic", "qwen3_coder"])
+@pytest.mark.parametrize(
+    "fmt", ["hermes", "llama3_json", "pythonic", "qwen3_coder", "mistral", "mistral_json"]
+)
 def test_tool_demonstrations_tokenise_as_the_rollout_of_the_same_calls(smol_tokenizer, fmt):
     """`agentree sft` on the expert's tool-call episodes trains on the layout a tool rollout
     builds, in every call format: the same prompt (tools declared), the same call text, the same
@@ -808,6 +873,13 @@ def test_a_streamed_reply_settles_only_what_no_later_token_changes(smol_tokenize
             "<|python_start|>" + pythonic.format([ToolCall("move", up)]) + "<|python_end|>",
             "[broken",
         ],
+        "mistral": [
+            "Going up." + call_format("mistral").format([ToolCall("move", up)]),
+            " lead [TOOL_CALLS]move[ARGS]{bad",
+            "x [TOOL_CA",
+            "plain answer",
+        ],
+        "mistral_json": [call_format("mistral_json").format([ToolCall("move", up)])],
         "llama3_json": [
             llama.format([ToolCall("move", up)]),
             "Hi " + llama.format([ToolCall("move", up)]),

@@ -681,7 +681,8 @@ class WarmConfig(BaseModel):
     (`tool_form`), for SWEEnv's tool mode."""
     tool_format: str = "hermes"
     """With `action_format: tools`, the format the calls are written in (`policy.tool_format`
-    of the runs that will use the policy: hermes, llama3_json, pythonic, qwen3_coder)."""
+    of the runs that will use the policy: hermes, llama3_json, pythonic, qwen3_coder, mistral,
+    mistral_json)."""
     history: int | None = Field(None, ge=1)
     """The window k of `engine.history: last:k` the policy will roll out with: each trajectory
     is then trained turn by turn as the rollouts show it (`agentree.models.sft.windowed`: the
