@@ -15,8 +15,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # what a checkout holds besides its files: git's store, virtualenvs, runs, build outputs, caches
-LOCAL_ONLY = (".git", ".venv*", "runs", "build", "dist", "site", "*.egg-info", "__pycache__")
-LOCAL_ONLY += (".pytest_cache", ".ruff_cache")
+LOCAL_ONLY = (
+    ".git",
+    ".venv*",
+    "runs",
+    "build",
+    "dist",
+    "site",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+)
 
 
 def test_a_checkout_imports_without_an_install(tmp_path):
