@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,24 @@ def test_seeds_repeat_and_equal_prompts_differ(trainer, engine) -> None:
         assert engine.generate([prompt], q)[0][0].token_ids != x
     finally:
         engine.sync_weights(trainer.model)
+
+
+def test_a_call_whose_prompts_exceed_one_steps_token_budget(trainer, engine) -> None:
+    """Prompts that together hold more tokens than vLLM schedules in one step. With chunked
+    prefill (vLLM's default) the prompt at the budget's edge is split across two steps, and
+    vLLM's CPU build then fails on a seeded request (its CPU generator has no offset to rewind),
+    i.e. on every agentree request: the engine died with `EngineDeadError`. On CPU agentree
+    prefills each prompt whole."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    # random token ids: no two prompts share a cache block, so the prefix cache serves none
+    rng = random.Random(0)
+    prompts: list[list[int]] = []
+    while sum(map(len, prompts)) < budget + 1000:
+        prompts.append([rng.randrange(10, 150) for _ in range(360)])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, seed=5))
+    assert len(outs) == len(prompts) and all(c[0].token_ids for c in outs)
+    again = engine.generate(prompts, SamplingParams(max_tokens=4, seed=5))
+    assert [c[0].token_ids for c in again] == [c[0].token_ids for c in outs]
 
 
 @pytest.mark.parametrize("hooks", ["none", "both", "on_done"])

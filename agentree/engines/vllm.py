@@ -569,7 +569,8 @@ def start_llm(
     """`vllm.LLM(path, **kwargs)` with agentree's defaults and process hygiene.
 
     Defaults: `gpu_memory_utilization` 0.2 on CPU (the share of host memory for the KV cache)
-    and 0.5 on a GPU (a trainer or scorer usually shares the device); 32-token KV blocks on CPU.
+    and 0.5 on a GPU (a trainer or scorer usually shares the device); on CPU, 32-token KV blocks
+    and each prompt prefilled in one step (no chunked prefill).
     The caller's global RNG streams are kept, and a watchdog in the engine's worker ends the
     engine if this process dies without `stop_llm`.
     """
@@ -588,6 +589,11 @@ def start_llm(
         # The CPU backend defaults to 128-token blocks; prefix caching reuses whole blocks
         # only, so smaller blocks (its kernels want multiples of 32) share more of a tree.
         args["block_size"] = 32
+        # A prompt split across steps (chunked prefill) makes vLLM rewind its request's
+        # generator, which CPU generators cannot: every agentree request is seeded, so the
+        # engine died once a call held more prompt tokens than a step. Prompts are prefilled
+        # whole (vLLM then raises the step's budget to the longest prompt the model takes).
+        args["enable_chunked_prefill"] = False
     args.update(kwargs)
     # the engine's IPC sockets go into a directory of its own, which `stop_llm` removes
     # (vLLM names them `VLLM_RPC_BASE_PATH/<uuid>` and leaves them behind)
