@@ -185,7 +185,8 @@ def test_a_call_whose_prompts_exceed_one_steps_token_budget(trainer, engine) -> 
     i.e. on every agentree request: the engine died with `EngineDeadError`. On CPU agentree
     prefills each prompt whole."""
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    # random token ids: no two prompts share a cache block, so the prefix cache serves none
+    # random ids of the tiny policy's 163-token vocabulary: no two prompts share a cache block,
+    # so the prefix cache serves none
     rng = random.Random(0)
     prompts: list[list[int]] = []
     while sum(map(len, prompts)) < budget + 1000:
