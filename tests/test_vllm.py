@@ -2,12 +2,12 @@
 
 One policy engine for the whole session (start-up takes about a minute on CPU): a trainer built
 with `engine.backend=vllm` owns it. Checks: PATR rollouts through the runtime, log-probs / top-k /
-entropies equal the transformers model's teacher-forced values, stop rules, seeds, the
-emulated decode session, weight updates in place (a perturbed model and a trainer update; a
-model of other shapes refused without harm to the engine), the
-served endpoint answering the judge client, and a close that leaves no engine process. The
-Skywork PRM on vLLM starts its own short-lived engine; the `slow` tests start a client process
-each and kill it (`-m "vllm and not slow"` skips them).
+entropies equal the transformers model's teacher-forced values, stop rules, seeds, a call larger
+than one step's token budget, the emulated decode session, weight updates in place (a perturbed
+model and a trainer update; a model of other shapes refused without harm to the engine), the served
+endpoint answering the judge client, and a close that leaves no engine process. The Skywork PRM on
+vLLM starts its own short-lived engine; the `slow` tests start a client process each and kill it
+(`-m "vllm and not slow"` skips them).
 """
 
 from __future__ import annotations
