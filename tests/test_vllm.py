@@ -188,9 +188,7 @@ def test_a_call_whose_prompts_exceed_one_steps_token_budget(trainer, engine) -> 
     # random ids of the tiny policy's 163-token vocabulary: no two prompts share a cache block,
     # so the prefix cache serves none
     rng = random.Random(0)
-    prompts: list[list[int]] = []
-    while sum(map(len, prompts)) < budget + 1000:
-        prompts.append([rng.randrange(10, 150) for _ in range(360)])
+    prompts = [[rng.randrange(10, 150) for _ in range(360)] for _ in range(budget // 360 + 4)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=4, seed=5))
     assert len(outs) == len(prompts) and all(c[0].token_ids for c in outs)
     again = engine.generate(prompts, SamplingParams(max_tokens=4, seed=5))
