@@ -100,7 +100,11 @@ class EngineConfig(_Section):
     For episodes longer than the model's context; `max_context` then bounds each turn's
     prompt. Held-out evaluation uses the same window."""
     prefix_cache_mb: int = Field(1024, ge=0)
-    """Memory for cached prefix KV (transformers engine)."""
+    """Memory for cached prefix KV (transformers engine); 0 turns the cache off. It should hold
+    the histories a rollout keeps live (every branch of the step's trees, at 2 x layers x KV
+    heads x head dim x dtype bytes a token: `--dry-run` prints how many tokens fit); what it
+    drops for room, the next turn computes again (`rollout/policy_tokens_evicted`), and the
+    trainer says so once."""
     max_batch_size: int = Field(256, ge=1)
     """Most sequences decoded together (transformers engine)."""
     env_workers: int = Field(8, ge=1)

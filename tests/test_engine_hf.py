@@ -62,6 +62,37 @@ def test_prefix_cache_reuses_and_stays_exact(hf_engine):
         assert max(abs(a - b) for a, b in zip(ref, c[0].logprobs, strict=True)) < 1e-4
 
 
+def test_a_cache_too_small_says_what_it_recomputed_and_samples_the_same(tiny_frozenlake):
+    """Two turns of 16 episodes on a 1 MiB cache (512 tokens of this model's KV, less than the
+    16 histories after a turn, about 40 tokens each) and on a 64 MiB one, seeded alike: the
+    second turn's prompts extend the first turn's; the small cache recomputes what it held and
+    dropped, and says so (`tokens_evicted`), the large one drops nothing; the samples are the
+    same."""
+    from agentree.engines.hf import HFEngine
+
+    seen = []
+    for mb in (1, 64):
+        engine = HFEngine.from_pretrained(tiny_frozenlake, seed=0, prefix_cache_mb=mb)
+        chat, ps = prompts(engine, 16)
+        params = SamplingParams(max_tokens=6, stop_token_ids=chat.stop_token_ids, seed=3)
+        first = engine.generate(ps, params)
+        nxt = [
+            p + c[0].token_ids + chat.observation_ids("P _\n_ G", c[0].token_ids)
+            for p, c in zip(ps, first, strict=True)
+        ]
+        second = engine.generate(nxt, params)
+        seen.append(([c[0].token_ids for c in first + second], engine.stats.snapshot()))
+        engine.close()
+    (small_ids, small), (large_ids, large) = seen
+    assert small_ids == large_ids
+    assert large["tokens_evicted"] == 0 and large["tokens_cached"] >= sum(len(p) for p in ps)
+    # it holds 12 of the 16 histories: the 4 it dropped lose their whole blocks (16 tokens
+    # each, counted) and their partial last block (recomputed, not counted)
+    assert small["tokens_evicted"] >= 4 * 16
+    recomputed = small["tokens_prefilled"] - large["tokens_prefilled"]
+    assert 0 < small["tokens_evicted"] <= recomputed
+
+
 def test_identical_prompts_prefilled_once_but_sampled_independently(hf_engine):
     _chat, ps = prompts(hf_engine, 1)
     before = hf_engine.stats.tokens_prefilled

@@ -480,7 +480,7 @@ def test_dry_run_counts_the_engines_where_the_run_places_them():
     line, _ = engine_line()
     assert line == (
         "engine on rank 0: samples from the trainer's weights (no copy); cached prefix KV up to "
-        "engine.prefix_cache_mb (1024 MiB)"
+        "engine.prefix_cache_mb (1024 MiB: 262,144 tokens of 4.0 KiB)"
     )
     root = Path(__file__).parent.parent
     line, p = engine_line(config=str(root / "agentree/configs/frozenlake_patr_qwen2.5_0.5b.yaml"))

@@ -303,3 +303,35 @@ def test_a_run_computes_the_same_whether_or_not_it_built_its_policy_first(
         out[mode] = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["plain"] == out["toggled"]  # to the bit
     assert any(g > 0 for g in out["plain"])  # the steps did learn something
+
+
+def test_the_trainer_says_once_when_the_prefix_cache_drops_what_the_rollout_needs(
+    tmp_path, tiny_frozenlake
+):
+    """8 tasks' trees on a 1 MiB prefix cache (512 tokens of the tiny policy's KV): it drops
+    histories that the next turn extends, the rollout counts the tokens computed again, and
+    the trainer says once in two steps what to raise; on 64 MiB it drops nothing and says
+    nothing. The steps are the same either way (the same samples; log-probs equal to float
+    rounding, as KV computed again is); only what the engine computes differs."""
+    engine = ("wall_s", "policy_tokens_prefilled", "policy_tokens_cached", "policy_tokens_evicted")
+    rows = {}
+    for mb in (1, 64):
+        said: list[str] = []
+        cfg = small_config(
+            tmp_path / str(mb), f"engine.prefix_cache_mb={mb}", "train.tasks_per_step=8", steps=2
+        )
+        tr = Trainer(cfg, tmp_path / str(mb), log=said.append)
+        try:
+            rows[mb] = [tr.train_step() for _ in range(2)]
+        finally:
+            tr.close()
+        warned = [m for m in said if "engine.prefix_cache_mb" in m]
+        evicted = [r["rollout/policy_tokens_evicted"] for r in rows[mb]]
+        if mb == 1:
+            assert min(evicted) > 0 and len(warned) == 1 and "(1 MiB now;" in warned[0]
+        else:
+            assert evicted == [0, 0] and warned == []
+    for small, large in zip(rows[1], rows[64], strict=True):
+        same = [k for k in small if not k.startswith("time/") and not k.endswith(engine)]
+        assert len(same) > 20
+        assert {k: small[k] for k in same} == pytest.approx({k: large[k] for k in same}, abs=1e-5)

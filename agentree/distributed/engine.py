@@ -225,10 +225,9 @@ class RemoteEngine:
                     continue
                 for i, c in zip(by_replica[r], comps, strict=True):
                     out[i] = c
-                self.stats.tokens_generated += delta["tokens_generated"]
-                self.stats.tokens_prefilled += delta["tokens_prefilled"]
-                self.stats.tokens_cached += delta["tokens_cached"]
-                self.stats.tokens_forward += delta["tokens_forward"]
+                for k, v in delta.items():
+                    if k != "calls":  # a call here is one call, however many replicas served it
+                        setattr(self.stats, k, getattr(self.stats, k) + v)
         self.stats.calls += 1
         results = [c for c in out if c is not None]
         report_tokens(results, on_token, on_done)  # replicas answer whole batches

@@ -93,6 +93,9 @@ class EngineStats:
     """Prompt tokens served from the prefix cache instead of being recomputed."""
     tokens_forward: int = 0
     """All tokens run through the model: prefilled plus fed back during decoding."""
+    tokens_evicted: int = 0
+    """Prefilled prompt tokens the prefix cache had held and dropped for room: what a larger
+    cache would not have computed again (transformers engine; vLLM does not say)."""
     calls: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +105,7 @@ class EngineStats:
             "tokens_prefilled": self.tokens_prefilled,
             "tokens_cached": self.tokens_cached,
             "tokens_forward": self.tokens_forward,
+            "tokens_evicted": self.tokens_evicted,
             "calls": self.calls,
         }
 

@@ -56,7 +56,14 @@ class PrefixCache:
     Sequences are indexed by chained hashes of 16-token blocks (as in vLLM's prefix caching);
     the match is then extended token by token against the candidate, so any common prefix is
     reused, not only whole stored sequences. An entry that a new one extends is dropped.
+
+    The blocks dropped for room (evicted, or too large to store) are remembered by hash, up to
+    `GHOSTS` of them, so that a lookup can say how many of a prompt's tokens the cache had held
+    and lost: `evicted_tokens` counts them, the recomputation a larger budget would have saved.
     """
+
+    GHOSTS = 1 << 18
+    """Most evicted block hashes remembered (about 30 MB of Python ints at most)."""
 
     def __init__(self, budget_bytes: int, block: int = 16) -> None:
         self.budget = budget_bytes
@@ -65,6 +72,8 @@ class PrefixCache:
         self.index: dict[int, dict[int, None]] = {}
         self.nbytes = 0
         self._next_id = 0
+        self.ghosts: OrderedDict[int, None] = OrderedDict()
+        self.evicted_tokens = 0
 
     def _hashes(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
         out, h, b = [], 0, self.block
@@ -81,17 +90,15 @@ class PrefixCache:
         match wins: siblings that share whole blocks (copies of a path in a tree) differ only
         in their partial last block, and the most recent one is often not the right one.
         """
-        candidates: dict[int, None] | None = None
-        matched = 0
-        h, b = 0, self.block
-        for i in range(len(tokens) // b):
-            h = hash((h, tuple(tokens[i * b : (i + 1) * b])))
-            ids = self.index.get(h)
-            if not ids:
-                break
-            candidates, matched = ids, (i + 1) * b
-        if not candidates:
+        hashes = self._hashes(tokens)
+        held = next((i for i, h in enumerate(hashes) if h not in self.index), len(hashes))
+        # the blocks after the last one held: held once, and dropped for room?
+        lost = next((i for i, h in enumerate(hashes[held:]) if h not in self.ghosts), None)
+        lost_to = (held + (len(hashes) - held if lost is None else lost)) * self.block
+        if not held:
+            self.evicted_tokens += lost_to
             return None, 0
+        candidates, matched = self.index[hashes[held - 1]], held * self.block
         best, best_len = None, -1
         for eid in reversed(candidates):  # most recent first among equal matches
             entry = self.entries[eid]
@@ -104,6 +111,7 @@ class PrefixCache:
         if self.entries[best].tokens[:matched] != list(tokens[:matched]):  # hash collision
             return None, 0
         self.entries.move_to_end(best)
+        self.evicted_tokens += max(0, lost_to - best_len)
         return best, best_len
 
     def insert(self, tokens: list[int], kv: KV, supersedes: int | None = None) -> None:
@@ -112,31 +120,50 @@ class PrefixCache:
             if len(old.tokens) <= len(tokens) and tokens[: len(old.tokens)] == old.tokens:
                 self._remove(supersedes)
         nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-        if nbytes > self.budget or len(tokens) < self.block:
+        if len(tokens) < self.block:
             return
-        entry = _Entry(tokens, kv, self._hashes(tokens), nbytes)
+        hashes = self._hashes(tokens)
+        if nbytes > self.budget:
+            if self.budget:  # a cache turned off (0) drops nothing for room
+                self._mark_dropped(hashes)
+            return
+        entry = _Entry(tokens, kv, hashes, nbytes)
         eid = self._next_id
         self._next_id += 1
         self.entries[eid] = entry
-        for h in entry.hashes:
+        for h in hashes:
             self.index.setdefault(h, {})[eid] = None
+            self.ghosts.pop(h, None)
         self.nbytes += nbytes
         while self.nbytes > self.budget and self.entries:
-            self._remove(next(iter(self.entries)))
+            self._remove(next(iter(self.entries)), evicted=True)
 
-    def _remove(self, eid: int) -> None:
+    def _remove(self, eid: int, evicted: bool = False) -> None:
         entry = self.entries.pop(eid)
         self.nbytes -= entry.nbytes
+        gone = []
         for h in entry.hashes:
             ids = self.index.get(h)
             if ids is not None:
                 ids.pop(eid, None)
                 if not ids:
                     del self.index[h]
+                    gone.append(h)
+        if evicted:
+            self._mark_dropped(gone)
+
+    def _mark_dropped(self, hashes: Sequence[int]) -> None:
+        """Remember blocks dropped for room (the oldest memories go first)."""
+        for h in hashes:
+            self.ghosts[h] = None
+        while len(self.ghosts) > self.GHOSTS:
+            self.ghosts.popitem(last=False)
 
     def clear(self) -> None:
+        """Drop every entry (new weights: the KV is stale, not lost for room)."""
         self.entries.clear()
         self.index.clear()
+        self.ghosts.clear()
         self.nbytes = 0
 
 
@@ -150,7 +177,9 @@ class _Batch:
 
         self.engine = engine
         cache = engine.prefix_cache
+        evicted = cache.evicted_tokens
         hits = [cache.lookup(p) for p in prompts]
+        engine.stats.tokens_evicted += cache.evicted_tokens - evicted
         # Always recompute at least the last prompt token: its logits are not cached.
         reuse = [min(m, len(p) - 1) for (_, m), p in zip(hits, prompts, strict=True)]
         self.sources = [eid for eid, _ in hits]

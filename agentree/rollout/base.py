@@ -103,6 +103,9 @@ class RolloutStats:
     policy_tokens_generated: int = 0
     policy_tokens_prefilled: int = 0
     policy_tokens_cached: int = 0
+    policy_tokens_evicted: int = 0
+    """Prefilled tokens the engine's prefix cache had held and dropped for room (a cache too
+    small for the rollout's live branches recomputes them; transformers engine only)."""
     scorer_calls: int = 0
     scorer_fallbacks: int = 0
     env_errors: int = 0

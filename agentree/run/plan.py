@@ -117,6 +117,10 @@ def count_parameters(conf: Any, target_modules: list[str], r: int) -> dict[str, 
     return {"total": total, "layer": sum(p.numel() for p in layer.parameters()), "lora": lora}
 
 
+def head_dim(conf: Any) -> int:
+    return getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+
+
 def activation_bytes(
     conf: Any, tokens: int, checkpointing: bool, act_bytes: int, logits_chunk: int = 0
 ) -> int:
@@ -129,8 +133,7 @@ def activation_bytes(
     tokens at once or, with `train.logits_chunk`, for one slice of that many tokens.
     """
     h, i = conf.hidden_size, conf.intermediate_size
-    head_dim = getattr(conf, "head_dim", None) or h // conf.num_attention_heads
-    kv = conf.num_key_value_heads * head_dim
+    kv = conf.num_key_value_heads * head_dim(conf)
     per_layer = (10 * h + 2 * kv + 3 * i) * tokens * act_bytes
     layers = conf.num_hidden_layers
     body = (h * tokens * act_bytes * layers + per_layer) if checkpointing else per_layer * layers
@@ -160,6 +163,7 @@ def estimate(cfg: ExperimentConfig) -> dict[str, Any]:
         per_rank["reference"] = 4 * n["total"] / w
     return {
         "source": source,
+        "config": conf,
         "params": n,
         "tokens": tokens,
         "per_rank": per_rank,
@@ -184,19 +188,29 @@ def engines(cfg: ExperimentConfig) -> tuple[str, str, int]:
     return backend, f"each of the {workers} rollout worker{'s' if workers > 1 else ''}", workers
 
 
-def engine_memory(cfg: ExperimentConfig, params: int) -> str:
+def kv_bytes_per_token(conf: Any, width: int) -> int:
+    """One token's keys and values over every layer, at `width` bytes a value."""
+    return 2 * conf.num_hidden_layers * conf.num_key_value_heads * head_dim(conf) * width
+
+
+def engine_memory(cfg: ExperimentConfig, conf: Any, params: int) -> str:
     """The engines' memory beside the training ranks': their copies of the weights (none for
-    a local transformers engine) and the KV cache each keeps."""
+    a local transformers engine) and the KV cache each keeps (the transformers engine's, in
+    tokens of this model's KV: it should hold the histories a rollout keeps live)."""
     backend, where, copies = engines(cfg)
+    dtype = cfg.policy.dtype
+    width = 4 if dtype in ("float32", "fp32") else 2
+    if not copies:  # the trainer's weights, in the trainer's dtype
+        width = 2 if cfg.train.dtype == "bf16" else 4
+    mb, per = cfg.engine.prefix_cache_mb, kv_bytes_per_token(conf, width)
     kv = (
         "vLLM adds its KV cache (engine.vllm.gpu_memory_utilization)"
         if backend == "vllm"
-        else f"cached prefix KV up to engine.prefix_cache_mb ({cfg.engine.prefix_cache_mb} MiB)"
+        else f"cached prefix KV up to engine.prefix_cache_mb ({mb} MiB: "
+        f"{mb * 2**20 // per:,} tokens of {per / 1024:.1f} KiB)"
     )
     if not copies:
         return f"  engine on {where}: samples from the trainer's weights (no copy); {kv}"
-    dtype = cfg.policy.dtype
-    width = 4 if dtype in ("float32", "fp32") else 2
     shown = "auto, bf16 on a GPU" if dtype == "auto" else dtype
     own = "its own copy" if copies == 1 else "each its own copy"
     return f"  engine weights ({shown}): {width * params / GIB:.2f} GiB on {where}, {own}; {kv}"
@@ -252,5 +266,5 @@ def dry_run(cfg: ExperimentConfig) -> str:
     ]
     out += [f"  {k:<16} {v / GIB:10.3f} GiB" for k, v in est["per_rank"].items()]
     out.append(f"  {'total':<16} {est['per_rank_total'] / GIB:10.3f} GiB")
-    out.append(engine_memory(cfg, n["total"]))
+    out.append(engine_memory(cfg, est["config"], n["total"]))
     return "\n".join(out)

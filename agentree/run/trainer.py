@@ -102,6 +102,7 @@ class Trainer:
         """The loop state before the held-out evaluation due after a step: what a checkpoint
         taken until it is written holds, marked so that the resumed run evaluates again."""
         self._warned_cut = False  # `_warn_cut` speaks once a run
+        self._warned_evicted = False  # and `_warn_evicted`
         self._finished = False
         """Restored from a checkpoint written after the run's final evaluation."""
         self._trained_s = 0.0
@@ -253,6 +254,7 @@ class Trainer:
             self._pending = (pending, self.step)
         metrics = self._rollout_metrics(trees, trajs, stats)
         self._warn_cut(metrics)
+        self._warn_evicted(metrics)
         metrics["train/groups_dropped"] = dropped
         # groups whose rewards differ: the only ones a group-relative advantage learns from
         metrics["train/groups_informative"] = sum(len({t.reward for t in ts}) > 1 for ts in trajs)
@@ -334,6 +336,22 @@ class Trainer:
                 f"let {done:.0f} finish: the groups hold mostly short episodes (where failures "
                 f"run to the turn limit, mostly successes); rollout.budget_reserve=true starts "
                 f"only what the budget can finish"
+            )
+
+    def _warn_evicted(self, metrics: dict[str, float]) -> None:
+        """Said once a run: the engine's prefix cache is too small for the branches the
+        rollout keeps live, so it dropped KV that their next turns needed and computed it again
+        (more than a tenth of the prompt tokens prefilled); the rollout is slower, not
+        different."""
+        lost = metrics.get("rollout/policy_tokens_evicted", 0.0)
+        prefilled = metrics.get("rollout/policy_tokens_prefilled", 0.0)
+        if lost > 0.1 * prefilled and not self._warned_evicted:
+            self._warned_evicted = True
+            self.log(
+                f"warning: the prefix cache had held {lost:,.0f} of the {prefilled:,.0f} prompt "
+                f"tokens this step computed, and dropped them for room: raise "
+                f"engine.prefix_cache_mb ({self.cfg.engine.prefix_cache_mb} MiB now; the samples "
+                f"stay the same, the rollout computes less)"
             )
 
     def _rollout_metrics(

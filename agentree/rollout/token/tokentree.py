@@ -203,6 +203,7 @@ def metered(ctx: RolloutContext, stats: RolloutStats) -> Iterator[None]:
         after = ctx.engine.stats.snapshot()
         stats.policy_tokens_prefilled += after["tokens_prefilled"] - before["tokens_prefilled"]
         stats.policy_tokens_cached += after["tokens_cached"] - before["tokens_cached"]
+        stats.policy_tokens_evicted += after["tokens_evicted"] - before["tokens_evicted"]
         forward = after["tokens_forward"] - before["tokens_forward"]
         stats.extra["policy_tokens_forward"] = stats.extra.get("policy_tokens_forward", 0) + forward
 

@@ -285,6 +285,7 @@ class TurnRunner:
         self.stats.policy_tokens_generated += after["tokens_generated"] - before["tokens_generated"]
         self.stats.policy_tokens_prefilled += after["tokens_prefilled"] - before["tokens_prefilled"]
         self.stats.policy_tokens_cached += after["tokens_cached"] - before["tokens_cached"]
+        self.stats.policy_tokens_evicted += after["tokens_evicted"] - before["tokens_evicted"]
         return [o[0] for o in outs]
 
     def advance(
