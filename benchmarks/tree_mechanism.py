@@ -12,7 +12,9 @@ task (`rollout.env_step_budget`, so no method draws more environment than anothe
 - `successes_per_1k_steps`: successful trajectories of the groups per 1,000 env steps;
 - `distinct_states`: distinct env states visited per task (`Env.state_key`, else the text);
 - `forward_tokens_per_step`: tokens the policy computed (sampled + prefilled, prefix-cache hits
-  excluded) per env step;
+  excluded) per env step; on the transformers engine a method's cost only when
+  `engine.prefix_cache_mb` holds the branches it keeps live (a smaller cache computes dropped
+  histories again: `rollout/policy_tokens_evicted` in training; raise it here);
 - `budget_cut_per_task`: branches the budget ended (out of the groups). The branches live when
   it runs out are more often long ones, so many cuts bias a group towards short episodes: give
   the budget room for several rounds of each method (e.g. 2 x G x the mean episode length),
