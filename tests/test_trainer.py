@@ -328,7 +328,7 @@ def test_the_trainer_says_once_when_the_prefix_cache_drops_what_the_rollout_need
         warned = [m for m in said if "engine.prefix_cache_mb" in m]
         evicted = [r["rollout/policy_tokens_evicted"] for r in rows[mb]]
         if mb == 1:
-            assert min(evicted) > 0 and len(warned) == 1 and "(1 MiB now;" in warned[0]
+            assert min(evicted) > 0 and len(warned) == 1 and "(1 MiB now)" in warned[0]
         else:
             assert evicted == [0, 0] and warned == []
     for small, large in zip(rows[1], rows[64], strict=True):

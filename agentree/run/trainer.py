@@ -341,17 +341,17 @@ class Trainer:
     def _warn_evicted(self, metrics: dict[str, float]) -> None:
         """Said once a run: the engine's prefix cache is too small for the branches the
         rollout keeps live, so it dropped KV that their next turns needed and computed it again
-        (more than a tenth of the prompt tokens prefilled); the rollout is slower, not
-        different."""
+        (more than a tenth of the prompt tokens prefilled): the rollout is slower, and what it
+        samples differs only by float rounding."""
         lost = metrics.get("rollout/policy_tokens_evicted", 0.0)
         prefilled = metrics.get("rollout/policy_tokens_prefilled", 0.0)
         if lost > 0.1 * prefilled and not self._warned_evicted:
             self._warned_evicted = True
             self.log(
                 f"warning: the prefix cache had held {lost:,.0f} of the {prefilled:,.0f} prompt "
-                f"tokens this step computed, and dropped them for room: raise "
-                f"engine.prefix_cache_mb ({self.cfg.engine.prefix_cache_mb} MiB now; the samples "
-                f"stay the same, the rollout computes less)"
+                f"tokens this step computed and dropped them for room, so the rollout computed "
+                f"them again: raise engine.prefix_cache_mb ({self.cfg.engine.prefix_cache_mb} "
+                f"MiB now)"
             )
 
     def _rollout_metrics(
