@@ -37,6 +37,7 @@ from agentree.engines.base import (
     room_to_generate,
 )
 from agentree.hub.load import load_policy
+from agentree.hub.pretrained import kv_shape
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (keys, values), each [kv_heads, seq, head_dim] for one sequence."""
@@ -347,10 +348,7 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
-        self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self._head_dim = (
-            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        )
+        self._kv_heads, self._head_dim = kv_shape(cfg)
         self._max_len = max_model_len or getattr(cfg, "max_position_embeddings", 4096)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)

@@ -32,6 +32,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentree.hub.adapters import is_adapter_checkpoint, merged_checkpoint
 from agentree.hub.store import Log, build_once, cache_root, is_built, to_stderr
@@ -71,6 +72,14 @@ PRETRAINED: dict[str, Pretrained] = {
 }
 
 MODELS_EXTRA = "pip install 'agentree[models]' (brings gguf and accelerate)"
+
+
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(KV heads, head dimension) of a decoder's `config.json` as transformers reads it: what
+    one token's keys (and values) hold per layer, for the engine's cache and the plan alike."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def find_pretrained(name: str) -> Pretrained | None:

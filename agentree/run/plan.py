@@ -29,7 +29,7 @@ from typing import Any
 from agentree.config import ExperimentConfig
 from agentree.distributed.cluster import engine_replicas
 from agentree.hub.adapters import adapter_base, is_adapter_checkpoint
-from agentree.hub.pretrained import cached_path, find_pretrained
+from agentree.hub.pretrained import cached_path, find_pretrained, kv_shape
 from agentree.policy import base_policy, resolve_backend
 
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -117,10 +117,6 @@ def count_parameters(conf: Any, target_modules: list[str], r: int) -> dict[str, 
     return {"total": total, "layer": sum(p.numel() for p in layer.parameters()), "lora": lora}
 
 
-def head_dim(conf: Any) -> int:
-    return getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
-
-
 def activation_bytes(
     conf: Any, tokens: int, checkpointing: bool, act_bytes: int, logits_chunk: int = 0
 ) -> int:
@@ -133,7 +129,8 @@ def activation_bytes(
     tokens at once or, with `train.logits_chunk`, for one slice of that many tokens.
     """
     h, i = conf.hidden_size, conf.intermediate_size
-    kv = conf.num_key_value_heads * head_dim(conf)
+    kv_heads, head_dim = kv_shape(conf)
+    kv = kv_heads * head_dim
     per_layer = (10 * h + 2 * kv + 3 * i) * tokens * act_bytes
     layers = conf.num_hidden_layers
     body = (h * tokens * act_bytes * layers + per_layer) if checkpointing else per_layer * layers
@@ -190,7 +187,8 @@ def engines(cfg: ExperimentConfig) -> tuple[str, str, int]:
 
 def kv_bytes_per_token(conf: Any, width: int) -> int:
     """One token's keys and values over every layer, at `width` bytes a value."""
-    return 2 * conf.num_hidden_layers * conf.num_key_value_heads * head_dim(conf) * width
+    kv_heads, head_dim = kv_shape(conf)
+    return 2 * conf.num_hidden_layers * kv_heads * head_dim * width
 
 
 def engine_memory(cfg: ExperimentConfig, conf: Any, params: int) -> str:
